@@ -17,7 +17,7 @@ from zope.interface import implementer
 
 from mdp import transport
 from mdp.errors import ProtocolError
-from mdp.interfaces import IAdmission, IDealerReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IAdmission, IRouterReceiver
 from mdp.machine import Machine, action_type, machine_view
 from mdp.policy import Backoff, Limits, LogThrottle, default_reactor, positive_seconds
 
@@ -44,8 +44,7 @@ TABLE: dict[tuple[State, Event], tuple[Union[State, str], str]] = {
     (State.PRIMARY, Event.CLIENT_REQUEST): (VOTE, "a vote, the backup silent"),
     (State.BACKUP, Event.PEER_ACTIVE): (State.PASSIVE, "connected to the primary (active)"),
     (State.BACKUP, Event.CLIENT_REQUEST): (REFUSE, "a backup waiting for its primary"),
-    (State.ACTIVE, Event.PEER_ACTIVE): (
-        FATAL, "dual actives: the peer is active too (split brain)"),
+    (State.ACTIVE, Event.PEER_ACTIVE): (FATAL, "dual actives: the peer is active too (split brain)"),
     (State.PASSIVE, Event.PEER_PRIMARY): (State.ACTIVE, "the primary (passive) restarts"),
     (State.PASSIVE, Event.PEER_BACKUP): (State.ACTIVE, "the backup (passive) restarts"),
     (State.PASSIVE, Event.PEER_PASSIVE): (
@@ -93,14 +92,11 @@ class BinaryStarMachine(Machine):
         self.peerExpiry = now + self.failoverTimeout
         #: since when a peer configured alike talks, which run, last heard when
         self.conflictSince: Optional[float] = None
-        self.conflictWith = ""
-        self.conflictHeard = 0.0
+        self.conflictWith, self.conflictHeard = "", 0.0
         self.stopped: Optional[str] = None
         #: the state channel's number (+1 per stall); a resuming server waits until resumeBy
         self.lastTick: Optional[float] = None
-        self.channel = 0
-        self.resuming = False
-        self.resumeBy = 0.0
+        self.channel, self.resuming, self.resumeBy = 0, False, 0.0
 
     @property
     def failoverTimeout(self) -> float:
@@ -121,8 +117,7 @@ class BinaryStarMachine(Machine):
                         peerInstance: str = "", peerHeartbeat: Optional[float] = None,
                         channel: Optional[int] = None) -> list[Action]:
         """A state message from the peer, on state channel *channel* (default: the current)."""
-        if channel is None:
-            channel = self.channel
+        channel = self.channel if channel is None else channel  # before a stall it may reveal
         self._wake(now)
         event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
         if event is None:
@@ -160,8 +155,7 @@ class BinaryStarMachine(Machine):
         self.resuming = False
         if event is Event.PEER_ACTIVE:
             old, self.state = self.state, State.PASSIVE
-            self._emit(Changed(old, State.PASSIVE,
-                               "the peer took over while this server was stalled"))
+            self._emit(Changed(old, State.PASSIVE, "the peer took over while this server was stalled"))
         else:
             self._emit(Resumed(f"the peer is {State(event).name.lower()}"))
         self._emit(self.publication())
@@ -172,10 +166,8 @@ class BinaryStarMachine(Machine):
         reason = f"both servers are configured {self.role.value}"
         now = self.now
         peerStarted = now - peerUptime
-        if abs(self.started - peerStarted) < self.heartbeat:
-            later = self.instance > peerInstance
-        else:
-            later = self.started > peerStarted
+        later = (self.instance > peerInstance if abs(self.started - peerStarted) < self.heartbeat
+                 else self.started > peerStarted)
         if later:
             self._stop(f"{reason}; this one started later and stops")
             return
@@ -215,8 +207,7 @@ class BinaryStarMachine(Machine):
 
     def publication(self) -> PublishState:
         """What this server publishes now."""
-        return PublishState(self.state, self.role, self.now - self.started, self.instance,
-                            self.heartbeat)
+        return PublishState(self.state, self.role, self.now - self.started, self.instance, self.heartbeat)
 
     def _wake(self, now: float) -> None:
         """A gap since the last tick beyond the failover timeout is a stall."""
@@ -271,8 +262,7 @@ def new_instance() -> str:
     return os.urandom(8).hex()
 
 
-def encode_state(state: State, role: Role, uptime: float, instance: str,
-                 heartbeat: float) -> list[bytes]:
+def encode_state(state: State, role: Role, uptime: float, instance: str, heartbeat: float) -> list[bytes]:
     return [HEADER, STATE, b"%d" % state, role.value.encode(), b"%.6f" % uptime,
             instance.encode("ascii"), repr(float(heartbeat)).encode("ascii")]
 
@@ -296,26 +286,9 @@ def decode_state(frames: Sequence[bytes]) -> PeerState:
     return PeerState(state, role, uptime, bytes(frames[5]).decode("ascii"), heartbeat)
 
 
-@implementer(IRouterReceiver)
-class _Publisher:
-    """The local endpoint: who subscribed, and when they were last heard."""
-
-    def __init__(self, star: BinaryStar) -> None:
-        self.star = star
-        self.transport: Any = None
-        #: subscriber -> when it stops counting unless heard again
-        self.subscribers: dict[bytes, float] = {}
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.star._subscribeFrom(peer, frames)
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        self.subscribers.pop(peer, None)
-
-
-@implementer(IDealerReceiver)
-class _Subscriber:
-    """The pipe to the peer's endpoint, for the machine's current state channel."""
+class _Subscriber(DealerReceiver):
+    """The pipe to the peer's endpoint, for the machine's current state channel (its loss
+    counts for nothing: the transport reconnects, and silence is what counts)."""
 
     def __init__(self, star: BinaryStar) -> None:
         self.star = star
@@ -329,23 +302,19 @@ class _Subscriber:
         if self.star._subscriber is self:
             self.star._stateFrom(frames)
 
-    def connectionLost(self, reason: object) -> None:
-        pass  # the transport reconnects; silence is what counts
-
 
 Observer = Callable[[str], Any]
 
 
-@implementer(IAdmission)
+@implementer(IAdmission, IRouterReceiver)
 class BinaryStar:
     """One server of a Binary Star pair: publishes its state on *local*, reads the
     peer's from *remote* (the peer's *local*).  :meth:`admitClient` and
     :meth:`admitWorker` are the votes; after a fatal error (:meth:`onFatal`)
     nothing more is admitted and the server should close."""
 
-    def __init__(self, role: Union[Role, str], local: str, remote: str,
-                 reactor: Optional[Any] = None, *, heartbeat: float = DEFAULT_HEARTBEAT,
-                 limits: Limits = Limits()) -> None:
+    def __init__(self, role: Union[Role, str], local: str, remote: str, reactor: Optional[Any] = None, *,
+                 heartbeat: float = DEFAULT_HEARTBEAT, limits: Limits = Limits()) -> None:
         if isinstance(role, str):
             try:
                 role = Role(role)
@@ -354,9 +323,7 @@ class BinaryStar:
         transport.check(local, transport.LISTEN)
         transport.check(remote, transport.CONNECT)
         self.reactor = default_reactor(reactor)
-        self.local = local
-        self.remote = remote
-        self.limits = limits
+        self.local, self.remote, self.limits = local, remote, limits
         self.machine = BinaryStarMachine(role, heartbeat=heartbeat, instance=new_instance(),
                                          now=self.reactor.seconds())
         self.throttle = LogThrottle(self.reactor)
@@ -364,17 +331,16 @@ class BinaryStar:
         self.peerState: Optional[State] = None
         self.peerHeard: Optional[float] = None
         self._observers: dict[str, list[Observer]] = {"active": [], "passive": [], "fatal": []}
-        self._publisher = _Publisher(self)
+        #: the local endpoint, and who subscribed there: when each stops counting unless heard again
+        self._router: Any = None
+        self._subscribers: dict[bytes, float] = {}
         self._subscriber = _Subscriber(self)
         self._ticker = task.LoopingCall(self._tick)
         self._ticker.clock = self.reactor
         self._performers: dict[type, Callable[[Any], None]] = {
-            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled,
-            Fatal: self._fatal,
-            Resumed: lambda a: log.info("Binary Star {role}: active again after the stall ({reason})",
-                                        role=self.role.value, reason=a.reason),
-            Conflict: lambda a: self.throttle.warn(log, "conflict", "Binary Star {role}: {reason}",
-                                                   role=self.role.value, reason=a.reason)}
+            PublishState: self._publish, Changed: self._changed, Stalled: self._stalled, Fatal: self._fatal,
+            Resumed: lambda a: self._say("info", "active again after the stall ({reason})", reason=a.reason),
+            Conflict: lambda a: self._say("warn", "{reason}", "conflict", reason=a.reason)}
         self._running = False
         #: when the peer's silence was last warned about (None: not silent)
         self._silenceWarned: Optional[float] = None
@@ -390,8 +356,7 @@ class BinaryStar:
     @property
     def endpoint(self) -> Optional[str]:
         """The bound state endpoint (with the port the OS picked), once started."""
-        bound = self._publisher.transport
-        return bound.endpoint if bound is not None else None
+        return self._router.endpoint if self._router is not None else None
 
     def admitClient(self, now: Optional[float] = None) -> bool:
         """The client's vote: True if it is to be served (this server is, or just became, active)."""
@@ -412,16 +377,10 @@ class BinaryStar:
     def status(self, now: Optional[float] = None) -> dict[str, Any]:
         """Role, state and what is known of the peer (``mmi.binarystar``)."""
         now = self._now(now)
-        return {
-            "role": self.role.value,
-            "state": self.state.name.lower(),
-            "serving": self.serving,
-            "peer": self.peerState.name.lower() if self.peerState is not None else None,
-            "peerSilence": (round(now - self.peerHeard, 3)
-                            if self.peerHeard is not None else None),
-            "failoverTimeout": self.machine.failoverTimeout,
-            "stopped": self.machine.stopped,
-        }
+        return dict(role=self.role.value, state=self.state.name.lower(), serving=self.serving,
+                    peer=self.peerState.name.lower() if self.peerState is not None else None,
+                    peerSilence=round(now - self.peerHeard, 3) if self.peerHeard is not None else None,
+                    failoverTimeout=self.machine.failoverTimeout, stopped=self.machine.stopped)
 
     def onActive(self, observer: Observer) -> None:
         """Call *observer(reason)* when this server becomes active."""
@@ -449,15 +408,13 @@ class BinaryStar:
             if not self._running or self.machine is not run:  # stopped, or started again
                 router.close()
                 return
-            self._publisher.transport = router
-            log.info("Binary Star {role}: state published on {endpoint}, the peer's read from "
-                     "{remote}; starts {state}", role=self.role.value, state=self.state.name.lower(),
-                     endpoint=router.endpoint, remote=self.remote)
-            transport.warn_if_open(
-                self.local, None, f"Binary Star {self.role.value}'s state channel",
-                "anyone who can reach it may read this broker's state, and the peer's endpoint is "
-                "trusted alike: what answers there decides which broker is active. Keep both on "
-                "loopback or a private network")
+            self._router = router
+            self._say("info", "state published on {endpoint}, the peer's read from {remote}; starts "
+                      "{state}", state=self.state.name.lower(), endpoint=router.endpoint, remote=self.remote)
+            transport.warn_if_open(self.local, None, f"Binary Star {self.role.value}'s state channel",
+                                   "anyone who can reach it may read this broker's state, and the "
+                                   "peer's endpoint is trusted alike: what answers there decides which "
+                                   "broker is active. Keep both on loopback or a private network")
             self._subscriber = _Subscriber(self)
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
@@ -466,16 +423,15 @@ class BinaryStar:
             self.stop()
             return failure
 
-        return transport.listen(self.local, self._publisher, self.reactor,
+        return transport.listen(self.local, self, self.reactor,
                                 limits=self.limits).addCallback(bound).addErrback(failed)
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""
         self._halt()
-        closing = [end.transport for end in (self._subscriber, self._publisher)
-                   if end.transport is not None]
-        self._subscriber.transport = self._publisher.transport = None
-        self._publisher.subscribers.clear()
+        closing = [end for end in (self._subscriber.transport, self._router) if end is not None]
+        self._subscriber.transport = self._router = None
+        self._subscribers.clear()
         return transport.close_all(closing, "a Binary Star state connection")
 
     def _halt(self) -> None:
@@ -488,9 +444,8 @@ class BinaryStar:
 
     def _tick(self) -> None:
         now = self.reactor.seconds()
-        subscribers = self._publisher.subscribers
-        for peer in [p for p, expiry in subscribers.items() if expiry <= now]:
-            del subscribers[peer]
+        for peer in [p for p, expiry in self._subscribers.items() if expiry <= now]:
+            del self._subscribers[peer]
         self._perform(self.machine.handleTick(now))
         self._warnIfPeerSilent(now)
         if self._running and self._subscriber.transport is None:
@@ -498,8 +453,7 @@ class BinaryStar:
         self._subscribe()
 
     def _warnIfPeerSilent(self, now: float) -> None:
-        """Warn now and then of a silent peer (no failover without it): down, cut off,
-        or ``remote`` is not its state endpoint."""
+        """Warn now and then of a silent peer: there is no failover without it."""
         machine = self.machine
         if not self._running or machine.stopped is not None:
             return
@@ -512,40 +466,40 @@ class BinaryStar:
             return
         self._silenceWarned = now
         if self.peerHeard is None:
-            log.warn("Binary Star {role}: no state heard from the peer at {remote} for {seconds:.0f} s "
-                     "(never, since this start): it is down, or that is not its state endpoint (remote "
-                     "must be the peer's local, --bstar-remote its --bstar-local); no failover until it "
-                     "is heard", role=self.role.value, remote=self.remote, seconds=silence)
+            self._say("warn", "no state heard from the peer at {remote} for {seconds:.0f} s (never, "
+                      "since this start): it is down, or that is not its state endpoint (remote must "
+                      "be the peer's local, --bstar-remote its --bstar-local); no failover until it "
+                      "is heard", remote=self.remote, seconds=silence)
             return
         serving = machine.state is State.ACTIVE
-        log.warn("Binary Star {role}: the peer at {remote} has been silent for {seconds:.0f} s "
-                 "(it was heard before): it is down or cut off; this server is {state}{what}",
-                 role=self.role.value, remote=self.remote, seconds=silence, state=machine.state.name.lower(),
-                 what=" and serves alone until the peer is back" if serving else
-                 " and becomes active at the next client's request")
+        self._say("warn", "the peer at {remote} has been silent for {seconds:.0f} s (it was heard before): "
+                  "it is down or cut off; this server is {state}{what}", remote=self.remote, seconds=silence,
+                  state=machine.state.name.lower(), what=" and serves alone until the peer is back"
+                  if serving else " and becomes active at the next client's request")
 
     def _subscribe(self) -> None:
         pipe = self._subscriber.transport
         if self._running and pipe is not None and pipe.connected:
             pipe.sendMessage([HEADER, SUBSCRIBE])
 
-    def _subscribeFrom(self, peer: bytes, frames: list[bytes]) -> None:
+    def peerDisconnected(self, peer: bytes) -> None:
+        self._subscribers.pop(peer, None)
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        """A subscription to the local endpoint (the peer's, or a monitor's)."""
         if len(frames) != 2 or frames[0] != HEADER or frames[1] != SUBSCRIBE:
-            self.throttle.warn(log, "bad-subscribe", "Binary Star {role}: dropped a message "
-                               "that is not a subscription from {peer}: {frames!r}",
-                               role=self.role.value, peer=peer.hex(), frames=frames[:3])
+            self._say("warn", "dropped a message that is not a subscription from {peer}: "
+                      "{frames!r}", "bad-subscribe", peer=peer.hex(), frames=frames[:3])
             return
         # a subscriber counts for a failover timeout; sent the state at once if new
-        now, subscribers = self.reactor.seconds(), self._publisher.subscribers
+        now, subscribers = self.reactor.seconds(), self._subscribers
         known = peer in subscribers
         if not known and len(subscribers) >= MAX_SUBSCRIBERS:
             # the least recently heard goes: the peer asks every heartbeat
             oldest = min(subscribers, key=subscribers.__getitem__)
             del subscribers[oldest]
-            self.throttle.warn(log, "subscribers", "Binary Star {role}: {count} subscribers; "
-                               "dropped {oldest}, the least recently heard, for {peer}",
-                               role=self.role.value, count=MAX_SUBSCRIBERS, oldest=oldest.hex(),
-                               peer=peer.hex())
+            self._say("warn", "{count} subscribers; dropped {oldest}, the least recently heard, for "
+                      "{peer}", "subscribers", count=MAX_SUBSCRIBERS, oldest=oldest.hex(), peer=peer.hex())
         subscribers[peer] = now + self.machine.failoverTimeout
         if known or not self._running:
             return
@@ -560,8 +514,8 @@ class BinaryStar:
         try:
             peer = decode_state(frames)
         except ProtocolError as e:
-            self.throttle.warn(log, "bad-state", "Binary Star {role}: dropped a bad message from "
-                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=str(e))
+            self._say("warn", "dropped a bad message from {remote}: {error}", "bad-state",
+                      remote=self.remote, error=str(e))
             return
         now, channel = self.reactor.seconds(), self.machine.channel
         actions = self.machine.handlePeerState(peer.state, peer.role, peer.uptime, now,
@@ -569,9 +523,8 @@ class BinaryStar:
         if channel == self.machine.channel:  # not made stale by a stall it revealed
             if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
                                           > self.machine.failoverTimeout):
-                log.info("Binary Star {role}: the peer ({peerRole}, state {peerState}) heard at {remote}",
-                         role=self.role.value, peerRole=peer.role.value,
-                         peerState=peer.state.name.lower(), remote=self.remote)
+                self._say("info", "the peer ({peerRole}, state {peerState}) heard at {remote}",
+                          peerRole=peer.role.value, peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
         self._perform(actions)
 
@@ -581,38 +534,25 @@ class BinaryStar:
 
     def _publish(self, action: PublishState, peers: Optional[list[bytes]] = None) -> None:
         """Send *action*'s state to *peers* (default: every subscriber)."""
-        router = self._publisher.transport
+        router = self._router
         if router is not None:
             message = encode_state(*action)
-            for peer in list(self._publisher.subscribers) if peers is None else peers:
+            for peer in list(self._subscribers) if peers is None else peers:
                 router.sendMessage(peer, message)
 
     def _changed(self, action: Changed) -> None:
-        log.info("Binary Star {role}: {old} -> {new} ({reason})", role=self.role.value,
-                 old=action.old.name.lower(), new=action.new.name.lower(), reason=action.reason)
+        self._say("info", "{old} -> {new} ({reason})", old=action.old.name.lower(),
+                  new=action.new.name.lower(), reason=action.reason)
         if action.new in (State.ACTIVE, State.PASSIVE):
             self._notify(action.new.name.lower(), action.reason)
 
     def _stalled(self, action: Stalled) -> None:
-        log.warn("Binary Star {role}: heard nothing for {seconds:.3f} s (this process was stopped or "
-                 "its reactor blocked); states received meanwhile are stale, the state channel to "
-                 "{remote} is opened again{serving}", role=self.role.value, seconds=action.seconds,
-                 remote=self.remote, serving=("; serving nothing until the peer is heard, in case it "
-                                              "took over" if action.serving else ""))
-        self._resubscribe()
-
-    def _fatal(self, action: Fatal) -> None:
-        log.critical("Binary Star {role}: fatal: {reason}; this server stops",
-                     role=self.role.value, reason=action.reason)
-        # close the channel outside the transport callback that brought the news
-        self._halt()
-        self.reactor.callLater(0, lambda: self.stop().addErrback(
-            lambda f: log.failure("Binary Star could not close its state channel", f)))
-        self._notify("fatal", action.reason)
-
-    def _resubscribe(self) -> None:
-        """Replace the pipe to the peer: what waits on the old one is stale."""
-        old = self._subscriber
+        self._say("warn", "heard nothing for {seconds:.3f} s (this process was stopped or its reactor "
+                  "blocked); states received meanwhile are stale, the state channel to {remote} is "
+                  "opened again{serving}", seconds=action.seconds, remote=self.remote,
+                  serving="; serving nothing until the peer is heard, in case it took over"
+                  if action.serving else "")
+        old = self._subscriber  # replaced: what waits on it is stale
         self._subscriber = _Subscriber(self)
         if old.transport is not None:
             defer.maybeDeferred(old.transport.close).addErrback(
@@ -620,6 +560,14 @@ class BinaryStar:
             old.transport = None
             self._connectSubscriber()
             self._subscribe()
+
+    def _fatal(self, action: Fatal) -> None:
+        self._say("critical", "fatal: {reason}; this server stops", reason=action.reason)
+        # close the channel outside the transport callback that brought the news
+        self._halt()
+        self.reactor.callLater(0, lambda: self.stop().addErrback(
+            lambda f: log.failure("Binary Star could not close its state channel", f)))
+        self._notify("fatal", action.reason)
 
     def _connectSubscriber(self) -> None:
         """Open the pipe to the peer; on failure the next tick tries again."""
@@ -629,8 +577,16 @@ class BinaryStar:
             self._subscriber.transport = transport.connect(
                 self.remote, self._subscriber, self.reactor, retryPolicy=retry, limits=self.limits)
         except Exception as e:
-            self.throttle.warn(log, "connect", "Binary Star {role}: cannot open its state pipe to "
-                               "{remote}: {error}", role=self.role.value, remote=self.remote, error=repr(e))
+            self._say("warn", "cannot open its state pipe to {remote}: {error}", "connect",
+                      remote=self.remote, error=repr(e))
+
+    def _say(self, level: str, format: str, kind: str = "", **fields: Any) -> None:
+        """Log "Binary Star ROLE: *format*" at *level*; with *kind*, throttled by it."""
+        format, fields["role"] = "Binary Star {role}: " + format, self.role.value
+        if kind:
+            self.throttle.log(level, log, kind, format, **fields)
+        else:
+            getattr(log, level)(format, **fields)
 
     def _notify(self, kind: str, reason: str) -> None:
         for observer in list(self._observers[kind]):

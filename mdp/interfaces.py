@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zope.interface import Attribute, Interface
+from zope.interface import Attribute, Interface, implementer
 
 
 class IRouterReceiver(Interface):
@@ -44,6 +44,20 @@ class IDealerReceiver(Interface):
 
     def connectionLost(reason: object) -> None:
         """The pipe broke; a reconnection and connectionMade follow."""
+
+
+@implementer(IDealerReceiver)
+class DealerReceiver:
+    """An :class:`IDealerReceiver` that ignores every event: a base for those that hear some."""
+
+    def connectionMade(self) -> None:
+        pass
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        pass
+
+    def connectionLost(self, reason: object) -> None:
+        pass
 
 
 class IDealerTransport(Interface):

@@ -5,6 +5,7 @@ throttled warnings, and reactor and duration helpers."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import numbers
 import random as _random
@@ -63,9 +64,7 @@ class Liveness:
     __slots__ = ("policy", "lastHeard", "lastSent")
 
     def __init__(self, policy: HeartbeatPolicy, now: float) -> None:
-        self.policy = policy
-        self.lastHeard = now
-        self.lastSent = now
+        self.policy, self.lastHeard, self.lastSent = policy, now, now
 
     def heard(self, now: float) -> None:
         self.lastHeard = now
@@ -107,9 +106,6 @@ class EndpointRotation:
         """Rotate to the next endpoint and return it."""
         self.index = (self.index + 1) % len(self.endpoints)
         return self.endpoints[self.index]
-
-    def __len__(self) -> int:
-        return len(self.endpoints)
 
 
 def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
@@ -209,9 +205,7 @@ def call_at(call: Any, reactor: Any, when: Optional[float], fn: Any) -> Any:
     """Replace the delayed call *call* with one of *fn* at *when* (None:
     none): a machine's ``WakeAt``.  Store the result back."""
     cancel_call(call)
-    if when is None:
-        return None
-    return reactor.callLater(max(0.0, when - reactor.seconds()), fn)
+    return None if when is None else reactor.callLater(max(0.0, when - reactor.seconds()), fn)
 
 
 def cancel_call(call: Any) -> None:
@@ -280,20 +274,12 @@ class LogThrottle:
     event; the next line out says how many were held back."""
 
     def __init__(self, clock: Any, interval: float = 1.0) -> None:
-        self.clock = clock
-        self.interval = interval
+        self.clock, self.interval = clock, interval
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warn(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
-        """Log *format* at warn level unless throttled; True if logged."""
-        return self._emit(logger.warn, kind, format, fields)
-
-    def info(self, logger: Any, kind: str, format: str, **fields: Any) -> bool:
-        """As :meth:`warn`, at info level."""
-        return self._emit(logger.info, kind, format, fields)
-
-    def _emit(self, emit: Any, kind: str, format: str, fields: dict[str, Any]) -> bool:
+    def log(self, level: str, logger: Any, kind: str, format: str, **fields: Any) -> bool:
+        """Log *format* at *level* (``"warn"``, ``"info"``) unless throttled; True if logged."""
         now = self.clock.seconds()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -304,8 +290,11 @@ class LogThrottle:
         if held:
             format += " ({held} similar held back in the last {interval:g}s)"
             fields.update(held=held, interval=self.interval)
-        emit(format, **fields)
+        getattr(logger, level)(format, **fields)
         return True
+
+    warn = functools.partialmethod(log, "warn")
+    info = functools.partialmethod(log, "info")
 
 
 @attrs.frozen
@@ -330,9 +319,7 @@ class AccessRule:
 
 def _matcher(patterns: tuple[str, ...]) -> Any:
     """A match function for any of *patterns* (None: no match)."""
-    if not patterns:
-        return lambda name: None
-    return re.compile("|".join(fnmatch.translate(p) for p in patterns)).match
+    return re.compile("|".join(map(fnmatch.translate, patterns))).match if patterns else lambda name: None
 
 
 class AccessPolicy:
@@ -345,13 +332,10 @@ class AccessPolicy:
     def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
                  default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
         self.peers = dict(peers or {})
-        self.default = default
-        self.anonymous = anonymous
+        self.default, self.anonymous = default, anonymous
 
     def rule(self, identity: Optional[str]) -> AccessRule:
-        if identity is None:
-            return self.anonymous
-        return self.peers.get(identity, self.default)
+        return self.anonymous if identity is None else self.peers.get(identity, self.default)
 
     def mayCall(self, identity: Optional[str], service: bytes) -> bool:
         return self.rule(identity).mayCall(service.decode("utf-8", "replace"))

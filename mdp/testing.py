@@ -37,9 +37,8 @@ def _record(name: str, doc: str, /, **fields: Any) -> Any:
     return made
 
 
-Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe "
-                  "*source* (a pipe name, or an endpoint for its latest pipe).",
-                  source=Union[bytes, str], frames=Frames)
+Receive = _record("Receive", "A message arrives: from router peer *source* (bytes) or on pipe *source* (a "
+                  "pipe name, or an endpoint for its latest pipe).", source=Union[bytes, str], frames=Frames)
 Connected = _record("Connected", "The pipe *pipe* (or the latest pipe to an endpoint) is up.", pipe=str)
 Lost = _record("Lost", "Router peer *source* went away, or pipe *source* broke.", source=Union[bytes, str])
 Elapse = _record("Elapse", "*seconds* of time pass; timers fire in order as they come due.", seconds=float)
@@ -97,8 +96,7 @@ class _Pipe:
 
     def close(self) -> defer.Deferred[None]:
         if not self.closed:
-            self.closed = True
-            self.connected = False
+            self.closed, self.connected = True, False
             self.script.actions.append(Close(self.name))
         return defer.succeed(None)
 
@@ -265,7 +263,6 @@ class CertificateAuthority:
 
         key, certificate = _key_and_certificate(common, organization, self)
         cert = self.write(f"{file}.pem", certificate.public_bytes(serialization.Encoding.PEM))
-        private = self.write(f"{file}-key.pem", key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption()))
+        private = self.write(f"{file}-key.pem", key.private_bytes(serialization.Encoding.PEM,
+                             serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()))
         return cert, private

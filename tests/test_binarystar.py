@@ -313,7 +313,7 @@ async def test_subscribers_are_bounded(clocknet: LoopbackNet, logged: list[str])
     for peer in peers:
         peer.send(HEADER, SUBSCRIBE)
     clocknet.advance(0.1)
-    subscribers = primary._publisher.subscribers
+    subscribers = primary._subscribers
     assert len(subscribers) == MAX_SUBSCRIBERS
     assert any("the least recently heard" in line for line in logged)
     # the peer, which asks every heartbeat, gets a place back at once
@@ -322,7 +322,7 @@ async def test_subscribers_are_bounded(clocknet: LoopbackNet, logged: list[str])
     assert len(subscribers) == MAX_SUBSCRIBERS and len(peers[0].received) == 2
     # silent subscribers are forgotten after the failover timeout
     clocknet.advance(2 * primary.machine.failoverTimeout)
-    assert not primary._publisher.subscribers
+    assert not primary._subscribers
 
 
 class RawRouterPeer:

@@ -217,7 +217,7 @@ def test_every_declared_interface_verifies() -> None:
     binding = script.routers[script.endpoint("server")].receiver
     shotgun = ShotgunClient([script.endpoint("s")], script.clock)
     agent = AgentClient([script.endpoint("a")], script.clock)
-    instances = [binding, shotgun.links[script.endpoint("s")], agent, server]
+    instances = [binding, shotgun.pipes[script.endpoint("s")], agent, server]
     declared = {cls for cls in vars(freelance).values()
                 if isinstance(cls, type) and cls.__module__ == freelance.__name__
                 and list(implementedBy(cls))}

@@ -83,12 +83,6 @@ def _freelance_binding() -> Any:
     return _Binding(FreelanceServer(echo, _clock()))
 
 
-def _freelance_pipe() -> Any:
-    from mdp.freelance import SequentialClient, _Pipe
-
-    return _Pipe(SequentialClient(["loopback:verify"], _clock()), "loopback:verify")
-
-
 def _agent() -> Any:
     from mdp.freelance import AgentClient
 
@@ -201,15 +195,6 @@ def _binarystar() -> Any:
     return BinaryStar("primary", "loopback:bstar-a", "loopback:bstar-b", _clock())
 
 
-def _bstar_end(name: str) -> Callable[[], Any]:
-    def make() -> Any:
-        from mdp import binarystar
-
-        return getattr(binarystar, name)(_binarystar())
-
-    return make
-
-
 def _sp_pipe() -> Any:
     from mdp.sp.peers import SPClient, _Pipe
 
@@ -235,8 +220,6 @@ def _harmony(name: str) -> Callable[[], Any]:
 
         if name == "BeaconDiscovery":
             return node.BeaconDiscovery("loopback:verify", reactor=_clock())
-        if name == "_Inbox":
-            return node._Inbox(_harmony_node())
         return getattr(node, name)()
 
     return make
@@ -274,12 +257,6 @@ def _session_inner() -> Any:
     return _Inner(_session_dealer())
 
 
-def _session_client() -> Any:
-    from mdp.session import SessionClient
-
-    return SessionClient("loopback:verify", _clock())
-
-
 def _session_server() -> Any:
     from mdp.session import SessionServer
 
@@ -311,7 +288,6 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.majordomo.client._ChannelPipe": _channel,
     "mdp.majordomo.idempotence.MemoryReplyStore": _bare("mdp.majordomo.idempotence.MemoryReplyStore"),
     "mdp.freelance._Binding": _freelance_binding,
-    "mdp.freelance._Pipe": _freelance_pipe,
     "mdp.freelance.AgentClient": _agent,
     "mdp.transport.framing.RecordDecoder": _bare("mdp.transport.framing.RecordDecoder"),
     "mdp.transport.framing.LengthPrefixedFraming": _bare("mdp.transport.framing.LengthPrefixedFraming"),
@@ -333,22 +309,18 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.peers.PeerRouter": _peer_router,
     "mdp.testing._Router": _script_router,
     "mdp.testing._Pipe": _script_pipe,
+    "mdp.interfaces.DealerReceiver": _bare("mdp.interfaces.DealerReceiver"),
     "mdp.binarystar.BinaryStar": _binarystar,
-    "mdp.binarystar._Publisher": _bstar_end("_Publisher"),
-    "mdp.binarystar._Subscriber": _bstar_end("_Subscriber"),
     "mdp.sp.peers._Pipe": _sp_pipe,
     "mdp.sp.peers._Listener": _sp_listener,
     "mdp.harmony.node.Node": _harmony_node,
     "mdp.harmony.node.BeaconDiscovery": _harmony("BeaconDiscovery"),
     "mdp.harmony.node.EndpointDiscovery": _harmony("EndpointDiscovery"),
-    "mdp.harmony.node._Inbox": _harmony("_Inbox"),
-    "mdp.harmony.node._Link": _harmony("_Link"),
     "mdp.transport.datagram.UDPDatagrams": _datagrams("UDPDatagrams"),
     "mdp.transport.datagram.LoopbackDatagrams": _datagrams("LoopbackDatagrams"),
     "mdp.session.transport.SessionRouter": _session_router,
     "mdp.session.transport.SessionDealer": _session_dealer,
     "mdp.session.transport._Inner": _session_inner,
-    "mdp.session.peers.SessionClient": _session_client,
     "mdp.session.peers.SessionServer": _session_server,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,

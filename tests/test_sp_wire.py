@@ -20,8 +20,8 @@ from mdp.policy import Limits
 from mdp.sp.codec import (
     BOTTOM,
     DEFAULT_MAX_HOPS,
-    IdSequence,
     endpoint_of,
+    id_sequence,
     pop_word,
     split_backtrace,
     word,
@@ -106,9 +106,9 @@ def test_backtraces_without_a_bottom_or_over_the_hops_are_refused() -> None:
 
 
 def test_ids_count_up_and_wrap_in_31_bits() -> None:
-    ids = IdSequence(0x7FFFFFFE)
-    assert [ids.next() for _ in range(3)] == [0x7FFFFFFE, 0x7FFFFFFF, 0]
-    assert IdSequence(0xFFFFFFFF).next() == 0x7FFFFFFF
+    ids = id_sequence(0x7FFFFFFE)
+    assert [next(ids) for _ in range(3)] == [0x7FFFFFFE, 0x7FFFFFFF, 0]
+    assert next(id_sequence(0xFFFFFFFF)) == 0x7FFFFFFF
 
 
 @pytest.mark.parametrize("url, listen, endpoint", [

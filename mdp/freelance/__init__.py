@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from mdp import messages, transport
+from mdp import messages, policy, transport
 from mdp.errors import ClientClosed, RequestTooLarge, TransportError
 from mdp.freelance import machines
 from mdp.freelance.machines import (
@@ -36,26 +36,16 @@ from mdp.freelance.machines import (
     remote_error,
 )
 from mdp.handlers import call_handler
-from mdp.interfaces import IDealerReceiver, IPeerRouterReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IPeerRouterReceiver, IRouterReceiver
 from mdp.machine import machine_view
 from mdp.messages import STATUS_OVERLOADED, STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    HeartbeatPolicy,
-    Limits,
-    LogThrottle,
-    cancel_call,
-    default_reactor,
-    held_bytes,
-    positive_seconds,
-)
+from mdp.policy import HeartbeatPolicy, Limits, LogThrottle, cancel_call, default_reactor, positive_seconds
 from mdp.transport.curve import curve_client, curve_server
 
 __all__ = ["ATTEMPT", "DEADLINE", "PING", "PONG", "SERVICE", "AgentClient", "AgentMachine",
-           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState",
-           "SequentialClient", "SequentialMachine", "ServerState", "ShotgunClient",
-           "ShotgunMachine", "freelance_client", "remote_error"]
+           "FreelanceMachine", "FreelanceServer", "KnownServer", "RequestState", "SequentialClient",
+           "SequentialMachine", "ServerState", "ShotgunClient", "ShotgunMachine", "freelance_client",
+           "remote_error"]
 
 log = Logger()
 
@@ -67,23 +57,18 @@ class FreelanceServer:
     (a worker's handler)."""
 
     def __init__(self, handler: Handler, reactor: Optional[Any] = None, *, limits: Limits = Limits(),
-                 maxPending: int = DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 metrics: Optional[Any] = None, curveSecret: Optional[str] = None,
-                 curveAllow: Optional[str] = None) -> None:
+                 maxPending: int = policy.DEFAULT_MAX_PENDING,
+                 maxPendingBytes: int = policy.DEFAULT_MAX_PENDING_BYTES, metrics: Optional[Any] = None,
+                 curveSecret: Optional[str] = None, curveAllow: Optional[str] = None) -> None:
         self.handler = handler
         #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
         self.reactor = default_reactor(reactor)
-        self.limits = limits
-        self.maxPending = maxPending
-        self.maxPendingBytes = maxPendingBytes
+        self.limits, self.maxPending, self.maxPendingBytes = limits, maxPending, maxPendingBytes
         self.throttle = LogThrottle(self.reactor)
         self.transports: list[Any] = []
-        self.served = 0
-        self.refused = 0  # requests answered 429
-        self.pending = 0  # requests being handled
-        self.pendingBytes = 0
+        #: replies sent, requests answered 429, and those being handled and their bytes
+        self.served = self.refused = self.pending = self.pendingBytes = 0
         #: a :class:`mdp.metrics.FreelanceMetrics` (or None)
         self.metrics = metrics
         if metrics is not None:
@@ -129,7 +114,7 @@ class FreelanceServer:
             routerTransport.disconnectPeer(peer)
             return
         sequence, body = frames[0], frames[1:]
-        size = held_bytes(body)
+        size = policy.held_bytes(body)
         self._count("requests")
         if self.pending >= self.maxPending or self.pendingBytes + size > self.maxPendingBytes:
             self.refused += 1
@@ -157,8 +142,7 @@ class FreelanceServer:
             if tooLarge is not None:
                 self.throttle.warn(log, "too-large", "Freelance server answers 413: its reply is "
                                    "too large ({reason})", reason=tooLarge)
-                message = [sequence, *error_body(STATUS_TOO_LARGE,
-                                                 f"reply too large to send: {tooLarge}")]
+                message = [sequence, *error_body(STATUS_TOO_LARGE, f"reply too large to send: {tooLarge}")]
                 outcome = "too-large"
             self.served += 1
             if self.metrics is not None:
@@ -195,14 +179,12 @@ class _Binding:
         pass
 
 
-@implementer(IDealerReceiver)
-class _Pipe:
+class _Pipe(DealerReceiver):
     """A connection to one server (model 1: one per attempt; model 2: one per
     server); failing to open, it logs and tries again at the next send."""
 
     def __init__(self, client: _FreelanceClient, endpoint: str) -> None:
-        self.client = client
-        self.endpoint = endpoint
+        self.client, self.endpoint = client, endpoint
         self.security = transport.curve_for(endpoint, client.curve)
         self.transport: Any = None
         self._open()
@@ -213,9 +195,8 @@ class _Pipe:
             self.transport = transport.connect(endpoint, self, client.reactor,
                                                security=self.security, limits=client.limits)
         except TransportError as e:
-            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what "
-                                 "it sends there goes unanswered until a connection opens",
-                                 error=e)
+            client.throttle.warn(log, f"open {endpoint}", "Freelance client: {error}; what it sends "
+                                 "there goes unanswered until a connection opens", error=e)
         return self.transport
 
     def send(self, frames: list[bytes]) -> None:
@@ -226,30 +207,23 @@ class _Pipe:
         closing, self.transport = self.transport, None
         return defer.succeed(None) if closing is None else closing.close()
 
-    def connectionMade(self) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
     def messageReceived(self, frames: list[bytes]) -> None:
         client = self.client
-        client._perform(client.machine.handleReply(frames, client.reactor.seconds(),
-                                                   self.endpoint))
+        client._perform(client.machine.handleReply(frames, client.reactor.seconds(), self.endpoint))
 
 
 #: actions void once the client is closed or their call is DONE
-_VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.OpenPipe,
-             machines.ConnectPeer)
+_VOIDABLE = (machines.Later, machines.SendPeer, machines.SendPipe, machines.OpenPipe, machines.ConnectPeer)
 
 
 class _FreelanceClient:
-    """The driver the three models share: it owns the Deferreds, timers and
-    connections, and does what the machine asks."""
+    """The driver the three models share: it owns the Deferreds, timers and connections,
+    and does what the machine asks.  Each model's *options*: *curveServerPublic*,
+    *curveSecret* (docs/security.md) and *limits*."""
 
     def __init__(self, machine: FreelanceMachine, endpoints: Union[str, Sequence[str]],
-                 reactor: Optional[Any], curveServerPublic: Optional[str],
-                 curveSecret: Optional[str], limits: Limits) -> None:
+                 reactor: Optional[Any], *, curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
         self.machine = machine
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -261,12 +235,11 @@ class _FreelanceClient:
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
         #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
-            machines.Later: self._arm, machines.Cancel: self._disarm,
+            machines.Later: self._arm, machines.Cancel: self._disarm, machines.SendPipe: self._sendPipe,
             machines.SendPeer: lambda a: self.router.sendMessage(a.endpoint, a.frames),
-            machines.SendPipe: self._sendPipe,
             machines.Resolve: self._answer, machines.Reject: self._answer,
-            machines.OpenPipe: lambda a: self.pipes.__setitem__(a.key, _Pipe(self, a.endpoint)),
             machines.ClosePipe: self._closePipe,
+            machines.OpenPipe: lambda a: self.pipes.__setitem__(a.key, _Pipe(self, a.endpoint)),
             machines.ConnectPeer: lambda a: self.router.connect(a.endpoint),
             machines.ServerChanged: self._logServer}
         listed = transport.endpoint_list(endpoints, empty=True)  # all checked before any is used
@@ -346,8 +319,7 @@ class _FreelanceClient:
     def _arm(self, action: machines.Later) -> None:
         key = (action.call.sequence, action.kind)
         cancel_call(self._timers.get(key))
-        self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call,
-                                                   action.kind)
+        self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call, action.kind)
 
     def _disarm(self, action: machines.Cancel) -> None:
         cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
@@ -381,11 +353,8 @@ class SequentialClient(_FreelanceClient):
     *timeout* seconds; :class:`RequestTimeout` after one round or *deadline*."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = 1.0, deadline: Optional[float] = 30.0,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
+                 *, timeout: float = 1.0, deadline: Optional[float] = 30.0, **options: Any) -> None:
+        super().__init__(SequentialMachine(timeout, deadline), endpoints, reactor, **options)
 
 
 class ShotgunClient(_FreelanceClient):
@@ -393,15 +362,8 @@ class ShotgunClient(_FreelanceClient):
     :class:`RequestTimeout` after *timeout* (or a shorter *deadline*)."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
-                 *, timeout: float = 3.0, deadline: Optional[float] = None,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
-
-    @property
-    def links(self) -> dict[str, _Pipe]:
-        return dict(self.pipes)
+                 *, timeout: float = 3.0, deadline: Optional[float] = None, **options: Any) -> None:
+        super().__init__(ShotgunMachine(timeout, deadline), endpoints, reactor, **options)
 
 
 @implementer(IPeerRouterReceiver)
@@ -414,22 +376,17 @@ class AgentClient(_FreelanceClient):
 
     def __init__(self, endpoints: Union[str, Sequence[str]] = (), reactor: Optional[Any] = None,
                  *, heartbeat: HeartbeatPolicy = HeartbeatPolicy(1.0, 3),
-                 timeout: float = 1.0, deadline: Optional[float] = 3.0,
-                 curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None, limits: Limits = Limits()) -> None:
-        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor,
-                         curveServerPublic, curveSecret, limits)
+                 timeout: float = 1.0, deadline: Optional[float] = 3.0, **options: Any) -> None:
+        super().__init__(AgentMachine(heartbeat, timeout, deadline), endpoints, reactor, **options)
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = self.reactor
         self._ticker.start(self.machine.wakeEvery, now=False)
 
     def _connectRouter(self) -> Any:
-        return transport.connect_peers(self, self.reactor, security=self.curve,
-                                       limits=self.limits)
+        return transport.connect_peers(self, self.reactor, security=self.curve, limits=self.limits)
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
-    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), "
-                           "by endpoint.")
+    servers = machine_view("servers", "What the agent knows of each server (a KnownServer), by endpoint.")
 
     def live(self) -> list[str]:
         """The endpoints of the ALIVE servers, in the order they were added."""
@@ -439,12 +396,11 @@ class AgentClient(_FreelanceClient):
         self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
 
     def tick(self) -> None:
-        machine = self.machine
         try:
-            self._perform(machine.handleTick(self.reactor.seconds()))
+            self._perform(self.machine.handleTick(self.reactor.seconds()))
         except Exception:  # the heartbeat must go on
             log.failure("Freelance agent: its tick failed")
-            self._perform(machine.actionsSoFar())
+            self._perform(self.machine.actionsSoFar())
 
     def close(self) -> defer.Deferred:
         super().close()

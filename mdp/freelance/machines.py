@@ -72,8 +72,7 @@ ServerChanged = action_type(__name__, "ServerChanged", "endpoint", "state")
 
 
 def _call_action(name: str, *fields: str) -> Any:
-    """An action with *fields*, then the request it is for (``call``, not compared; None for
-    a PING): skipped if DONE by then."""
+    """An action with *fields*, then its request (``call``: not compared, None for a PING)."""
     made = {**{field: attrs.field() for field in fields},
             "call": attrs.field(default=None, eq=False, repr=False)}
     kind = attrs.make_class(name, made, slots=True, weakref_slot=False)
@@ -92,8 +91,8 @@ Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer |
 
 
 class FreelanceMachine(Machine):
-    """What the three models decide alike (sequence numbers, pending requests,
-    the deadline, replies, close); the subclasses add each model's rules."""
+    """What the three models decide alike (sequence numbers, pending requests, the deadline,
+    replies, close); each model's subclass adds its rules: ``_start``, ``_attemptOver``, ..."""
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(now)
@@ -133,8 +132,7 @@ class FreelanceMachine(Machine):
         self._start(call)
         return self._drain()
 
-    def handleReply(self, frames: list[bytes], now: float,
-                    endpoint: Optional[str] = None) -> list[Action]:
+    def handleReply(self, frames: list[bytes], now: float, endpoint: Optional[str] = None) -> list[Action]:
         """A ``[sequence, reply...]`` from *endpoint* (if known); stale ones are dropped."""
         self.now = now
         self._reply(frames, endpoint)
@@ -162,12 +160,6 @@ class FreelanceMachine(Machine):
     def _connected(self, endpoint: str) -> None:
         """A model's own work for a server added."""
 
-    def _start(self, call: _Call) -> None:
-        raise NotImplementedError
-
-    def _attemptOver(self, call: _Call) -> None:
-        raise NotImplementedError
-
     def _finish(self, call: _Call) -> bool:
         """*call* is DONE: forget it; False if it already was."""
         if call.state is RequestState.DONE:
@@ -185,8 +177,7 @@ class FreelanceMachine(Machine):
             self._outbox.append(Reject(call, error))
 
     def _reply(self, frames: list[bytes], endpoint: Optional[str] = None) -> bool:
-        """A reply; True if it was a 429 for a pending request (nothing ran, another
-        server may serve it)."""
+        """A reply; True if a 429 for a pending request (nothing ran: another server may)."""
         if len(frames) < 2:
             return False
         call = self.pending.get(frames[0])
@@ -201,8 +192,7 @@ class FreelanceMachine(Machine):
             self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
         return False
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         """A 429 for *call*: models with another server try it; here it is the answer."""
         self._fail(call, error)
 
@@ -218,8 +208,7 @@ class SequentialMachine(FreelanceMachine):
     def _attemptOver(self, call: _Call) -> None:
         self._next(call)
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         if call.attempts < len(call.round):
             self._next(call)  # the next server, at once
         else:
@@ -257,15 +246,13 @@ class ShotgunMachine(FreelanceMachine):
     def _start(self, call: _Call) -> None:
         call.attempts = len(self.endpoints)
         call.state = RequestState.SENT
-        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call)
-                         for endpoint in self.endpoints]
+        self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call) for endpoint in self.endpoints]
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
     def _attemptOver(self, call: _Call) -> None:
         self._expired(call)
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         # fail once every server said 429, counted by server (unknown origin: alone)
         call.refusals.add(object() if endpoint is None else endpoint)
         if len(call.refusals) >= call.attempts:
@@ -305,8 +292,7 @@ class AgentMachine(FreelanceMachine):
         return [s.endpoint for s in self.servers.values() if s.state is ServerState.ALIVE]
 
     def _allDead(self) -> bool:
-        return bool(self.servers) and all(s.state is ServerState.DEAD
-                                          for s in self.servers.values())
+        return bool(self.servers) and all(s.state is ServerState.DEAD for s in self.servers.values())
 
     def refusal(self) -> Optional[Exception]:
         if not self.closed and self._allDead():
@@ -383,8 +369,7 @@ class AgentMachine(FreelanceMachine):
         self._outbox += [SendPeer(endpoint, [call.sequence, *call.body], call),
                          Later(call, ATTEMPT, call.timeout)]
 
-    def _overloaded(self, call: _Call, error: ServiceOverloaded,
-                    endpoint: Optional[str]) -> None:
+    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         """A 429: its server becomes SUSPECT and the request goes to a live server
         not tried this round; none: the 429 is the answer."""
         self._suspect(endpoint)

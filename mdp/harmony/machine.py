@@ -372,9 +372,9 @@ class HarmonyMachine(Machine):
         """The name, headers, groups and status *hello* says."""
         peer.name, peer.headers = hello.name, dict(hello.headers)
         for group in sorted(peer.groups - set(hello.groups)):
-            self._peerLeaves(peer, group)
+            self._peerIn(peer, group, False)
         for group in hello.groups:
-            self._peerJoins(peer, group)
+            self._peerIn(peer, group, True)
         peer.status = hello.status
 
     def _onWhisper(self, peer: Peer, message: codec.Whisper) -> None:
@@ -386,21 +386,15 @@ class HarmonyMachine(Machine):
     def _onPing(self, peer: Peer, message: codec.Ping) -> None:
         self._send(peer, codec.PingOk(0))
 
-    def _onJoin(self, peer: Peer, message: codec.Join) -> None:
-        if len(peer.groups) >= self.maxGroups and message.group not in peer.groups:
+    def _onGroup(self, peer: Peer, message: Union[codec.Join, codec.Leave]) -> None:
+        """A JOIN or LEAVE adds one to the status; a peer that counts otherwise is believed."""
+        joins = isinstance(message, codec.Join)
+        if joins and len(peer.groups) >= self.maxGroups and message.group not in peer.groups:
             self._emit(Notice("groups", f"{self._who(peer.uuid, peer)} joined more than "
                                         f"{self.maxGroups} groups (maxGroups); dropping the peer"))
             self._remove(peer, "it joined too many groups")
             return
-        self._peerJoins(peer, message.group)
-        self._statusChanged(peer, message)
-
-    def _onLeave(self, peer: Peer, message: codec.Leave) -> None:
-        self._peerLeaves(peer, message.group)
-        self._statusChanged(peer, message)
-
-    def _statusChanged(self, peer: Peer, message: Any) -> None:
-        """A JOIN or LEAVE adds one to the status; a peer that counts otherwise is believed."""
+        self._peerIn(peer, message.group, joins)
         peer.status = (peer.status + 1) & 0xFF
         if message.status != peer.status:
             self._emit(Notice("status", f"{self._who(peer.uuid, peer)} sent {codec.COMMANDS[message.id]} "
@@ -408,19 +402,14 @@ class HarmonyMachine(Machine):
                                         "taking its count"))
             peer.status = message.status
 
-    _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout,
-                 codec.Ping: _onPing, codec.PingOk: lambda self, peer, message: None,
-                 codec.Join: _onJoin, codec.Leave: _onLeave}
+    _handlers = {codec.Hello: _onHello, codec.Whisper: _onWhisper, codec.Shout: _onShout, codec.Ping: _onPing,
+                 codec.PingOk: lambda self, peer, message: None, codec.Join: _onGroup, codec.Leave: _onGroup}
 
-    def _peerJoins(self, peer: Peer, group: str) -> None:
-        if group not in peer.groups:
-            peer.groups.add(group)
-            self._emit(Emit(Event(JOIN, peer.uuid, peer.name, group=group)))
-
-    def _peerLeaves(self, peer: Peer, group: str) -> None:
-        if group in peer.groups:
-            peer.groups.discard(group)
-            self._emit(Emit(Event(LEAVE, peer.uuid, peer.name, group=group)))
+    def _peerIn(self, peer: Peer, group: str, joined: bool) -> None:
+        """*peer* joined *group* (not *joined*: left it): a JOIN or LEAVE event, if that is news."""
+        if (group in peer.groups) != joined:
+            (peer.groups.add if joined else peer.groups.discard)(group)
+            self._emit(Emit(Event(JOIN if joined else LEAVE, peer.uuid, peer.name, group=group)))
 
     def handleTick(self, now: float) -> list[Any]:
         self.now = now

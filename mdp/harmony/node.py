@@ -35,9 +35,7 @@ def wire_endpoint(endpoint: str) -> str:
 
 def transport_endpoint(endpoint: str) -> str:
     """A ZRE endpoint as one of our transport endpoints: ``tcp://h:p`` → ``zmq:tcp://h:p``."""
-    if endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        return "zmq:" + endpoint
-    return endpoint
+    return "zmq:" + endpoint if endpoint.startswith(("tcp://", "ipc://", "inproc://")) else endpoint
 
 
 @implementer(interfaces.IDiscovery, interfaces.IDatagramReceiver)
@@ -61,10 +59,9 @@ class BeaconDiscovery:
         self.listener, self.uuid = listener, uuid
         self.beacon = codec.encode_beacon(uuid, port)
         self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
-        log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})",
-                 interval=self.interval, host=self.host,
-                 to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port
-                 else self.spec.network, endpoint=self.endpoint)
+        log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})", interval=self.interval,
+                 host=self.host, endpoint=self.endpoint,
+                 to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port else self.spec.network)
         self.loop = task.LoopingCall(socket.send, self.beacon)
         self.loop.clock = self.reactor
         self.loop.start(self.interval, now=True)
@@ -122,8 +119,7 @@ class EventStream:
         self.node, self.size = node, size
         self.queue: deque[Event] = deque(maxlen=size)
         self.waiting: Optional[defer.Deferred[Event]] = None
-        self.ended = False
-        self.dropped = 0
+        self.ended, self.dropped = False, 0
 
     def _put(self, event: Event) -> None:
         if self.waiting is not None:
@@ -165,54 +161,23 @@ class EventStream:
         return defer.succeed(None)
 
 
-@implementer(interfaces.IRouterReceiver)
-class _Inbox:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
-        self.node._perform(self.node.machine.handleMessage(peer, frames, self.node._now()))
-
-    def peerDisconnected(self, peer: bytes) -> None:
-        """ZRE knows peers by their messages."""
-
-
-@implementer(interfaces.IDealerReceiver)
-class _Link:
-    """The receiving side of a link: a ZRE peer never answers on it."""
-
-    def connectionMade(self) -> None:
-        pass
-
-    def messageReceived(self, frames: list[bytes]) -> None:
-        pass
-
-    def connectionLost(self, reason: object) -> None:
-        pass
-
-
 _loopbackPorts = itertools.count(49152)
 
 
-@implementer(interfaces.IDiscoveryListener)
+@implementer(interfaces.IDiscoveryListener, interfaces.IRouterReceiver)
 class Node:
     """A Harmony peer, wire-compatible with ZRE (Zyre, zeromq-pyre).  *endpoint* is where our
-    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's).  Events go to
-    :meth:`subscribe` callbacks and ``async for event in node``."""
+    ROUTER binds (default ``zmq:tcp://HOST:*``, HOST the discovery's); the other *options*
+    (*headers*, *evasive*, *expired*, *maxPeers*, ...) are :class:`HarmonyMachine`'s.  Events
+    go to :meth:`subscribe` callbacks and ``async for event in node``."""
 
     def __init__(self, name: str, reactor: Optional[Any] = None, *,
-                 headers: Optional[dict[str, str]] = None, discovery: Optional[interfaces.IDiscovery] = None,
-                 endpoint: Optional[str] = None, evasive: float = zre.DEFAULT_EVASIVE,
-                 expired: float = zre.DEFAULT_EXPIRED, interval: float = DEFAULT_INTERVAL,
-                 maxPeers: int = zre.DEFAULT_MAX_PEERS, maxGroups: int = codec.DEFAULT_MAX_GROUPS,
-                 maxHeaders: int = codec.DEFAULT_MAX_HEADERS, maxStrangers: int = zre.DEFAULT_MAX_STRANGERS,
-                 helloWait: float = zre.DEFAULT_HELLO_WAIT, limits: Limits = Limits()) -> None:
+                 discovery: Optional[interfaces.IDiscovery] = None, endpoint: Optional[str] = None,
+                 interval: float = DEFAULT_INTERVAL, limits: Limits = Limits(), **options: Any) -> None:
         self.reactor = default_reactor(reactor)
         self.uuid: UUID = uuidlib.uuid4()
-        self.machine = HarmonyMachine(self.uuid, name, headers=headers, evasive=evasive, expired=expired,
-                                      maxPeers=maxPeers, maxGroups=maxGroups, maxHeaders=maxHeaders,
-                                      maxStrangers=maxStrangers, helloWait=helloWait,
-                                      reachable=self._unreachable, now=self._now())
+        self.machine = HarmonyMachine(self.uuid, name, reachable=self._unreachable, now=self._now(),
+                                      **options)
         self.name = name
         self.discovery: interfaces.IDiscovery = (discovery if discovery is not None
                                       else BeaconDiscovery(interval=interval, reactor=self.reactor))
@@ -256,7 +221,7 @@ class Node:
         bind = self.bindEndpoint
         if bind.startswith("loopback:") and bind.endswith(":*"):
             bind = f"{bind[:-2]}:{next(_loopbackPorts)}"
-        self.router = yield listen(bind, _Inbox(self), self.reactor, limits=self.limits)
+        self.router = yield listen(bind, self, self.reactor, limits=self.limits)
         self.endpoint = wire_endpoint(self.router.endpoint)
         self.port = int(self.endpoint.rpartition(":")[2])
         if bind.startswith(("zmq:tcp://*:", "zmq:tcp://0.0.0.0:")):
@@ -306,6 +271,12 @@ class Node:
 
     def dialPeer(self, endpoint: str) -> None:
         self._perform(self.machine.handleDial(wire_endpoint(endpoint), self._now()))
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self._perform(self.machine.handleMessage(peer, frames, self._now()))
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        """ZRE knows peers by their messages."""
 
     def subscribe(self, callback: Callable[[Event], Any]) -> Callable[[], None]:
         """Call *callback(event)* for every event; returns a function that unsubscribes."""
@@ -415,8 +386,9 @@ class Node:
         if not live:
             return
         try:
-            self.links[action.link] = connect(transport_endpoint(action.endpoint), _Link(), self.reactor,
-                                              limits=self.limits, identity=zre.identity_of(self.uuid))
+            self.links[action.link] = connect(
+                transport_endpoint(action.endpoint), interfaces.DealerReceiver(), self.reactor,
+                limits=self.limits, identity=zre.identity_of(self.uuid))
         except (TransportError, ValueError) as e:
             self.throttle.warn(log, "link", "ZRE node {name}: cannot reach a peer at {endpoint}: {error}",
                                name=self.name, endpoint=action.endpoint, error=e)
@@ -428,11 +400,8 @@ class Node:
             link.close()
 
     def _notice(self, action: zre.Notice, generation: int, live: bool) -> None:
-        if action.topic is None:
-            emit = log.info if action.level == "info" else log.warn
-        else:
-            throttled = self.throttle.info if action.level == "info" else self.throttle.warn
-            emit = functools.partial(throttled, log, action.topic)
+        emit = (getattr(log, action.level) if action.topic is None
+                else functools.partial(self.throttle.log, action.level, log, action.topic))
         emit("ZRE node {name}: {text}", name=self.name, text=action.text)
 
     _performers = {zre.SendOn: _sendOn, zre.Emit: _emitEvent, zre.OpenLink: _openLink,

@@ -114,9 +114,8 @@ class _Sequenced:
         size = sum(len(f) for f in payload)
         if len(self.unacked) >= self.maxQueued or (
                 self.unacked and self.queuedBytes + size > self.maxQueuedBytes):
-            raise SessionQueueFull(f"{len(self.unacked)} messages ({self.queuedBytes} bytes) "
-                                   "already wait for an acknowledgement (the other side is "
-                                   "away or slow)")
+            raise SessionQueueFull(f"{len(self.unacked)} messages ({self.queuedBytes} bytes) already wait "
+                                   "for an acknowledgement (the other side is away or slow)")
         self.sent += 1
         self.unacked.append((self.sent, payload))
         self.queuedBytes += size
@@ -182,8 +181,8 @@ class ClientSessionMachine(Machine):
 
     def __init__(self, session: bytes, *, pingInterval: float = DEFAULT_PING_INTERVAL,
                  liveness: int = DEFAULT_LIVENESS, maxQueued: int = DEFAULT_MAX_QUEUED,
-                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES,
-                 limits: Optional[tuple[int, int]] = None, now: float = 0.0) -> None:
+                 maxQueuedBytes: int = DEFAULT_MAX_QUEUED_BYTES, limits: Optional[tuple[int, int]] = None,
+                 now: float = 0.0) -> None:
         super().__init__(now)
         if len(session) != codec.SESSION_ID_BYTES:
             raise ValueError(f"a session id is {codec.SESSION_ID_BYTES} bytes")
@@ -481,9 +480,9 @@ class ServerSessionMachine(Machine):
         if hello.epoch == session.epoch:
             session.seq.acked(hello.ack)  # an ack of another incarnation means nothing here
         if hello.since > session.seq.received:
-            self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds "
-                                       f"nothing before {hello.since + 1}, but we have only "
-                                       f"{session.seq.received + 1}: those are lost"))
+            self._emit(Notice("since", f"session {session.routingId} from {peer!r} holds nothing before "
+                                       f"{hello.since + 1}, but we have only {session.seq.received + 1}: "
+                                       "those are lost"))
             session.seq.received = hello.since
         self._emit(Attached(session.routingId))
         self._sendTo(session, codec.Welcome(session.seq.received, session.epoch, *self.limits))
@@ -494,9 +493,8 @@ class ServerSessionMachine(Machine):
         """A new session for *hello*, or None (REFUSED) at *maxSessions*."""
         earlier = self._opened.get(peer)
         if earlier is not None and earlier.peer is None:
-            self._emit(Notice("second", f"{peer!r} opened another session; the one it opened "
-                                        f"before ({earlier.routingId}) ends (one session per "
-                                        "connection)"))
+            self._emit(Notice("second", f"{peer!r} opened another session; the one it opened before "
+                                        f"({earlier.routingId}) ends (one session per connection)"))
             self._end(earlier, "its connection opened another", drop=False)
         if len(self.sessions) >= self.maxSessions:
             self._emit(Full(peer, len(self.sessions)))

@@ -9,7 +9,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from mdp.errors import ClientClosed
-from mdp.interfaces import IDealerReceiver, IRouterReceiver
+from mdp.interfaces import DealerReceiver, IRouterReceiver
 from mdp.messages import bytes_frames
 from mdp.policy import Limits, default_reactor
 from mdp.session import machines
@@ -24,33 +24,28 @@ def session_endpoint(endpoint: str) -> str:
     return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
 
 
-@implementer(IDealerReceiver)
-class SessionClient:
+class SessionClient(DealerReceiver):
     """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
     ``send(*frames)`` never waits: while the connection is down the message waits in the
     session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
-    hears when the server's session for us was renewed (what it held for us is lost)."""
+    hears when the server's session for us was renewed (what it held for us is lost); the
+    other *options* (*pingInterval*, *liveness*, *maxQueued*, *limits*) are the dealer's."""
 
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
-                 pingInterval: float = machines.DEFAULT_PING_INTERVAL,
-                 liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
-                 limits: Limits = Limits(), onRenewed: Optional[Callable[[], Any]] = None) -> None:
+                 onRenewed: Optional[Callable[[], Any]] = None, **options: Any) -> None:
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._closed = False
         self._waiting = DrainWaiters()
-        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, limits=limits,
-                                    pingInterval=pingInterval, liveness=liveness, maxQueued=maxQueued)
+        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with
         :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
         if self._closed:
             return defer.fail(ClientClosed("the session client is closed"))
-        if self.dealer.madeOnce:
-            return defer.succeed(None)
-        return self._waiting.wait()
+        return defer.succeed(None) if self.dealer.madeOnce else self._waiting.wait()
 
     def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
         """Call *callback(frames)* for every message from the server, in order, once."""
@@ -82,9 +77,6 @@ class SessionClient:
             except Exception:
                 log.failure("session client to {endpoint}: the subscriber {callback!r} raised",
                             endpoint=self.dealer.endpoint, callback=callback)
-
-    def connectionLost(self, reason: object) -> None:
-        """A session does not lose its connection (it re-attaches)."""
 
 
 @implementer(IRouterReceiver)

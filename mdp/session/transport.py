@@ -123,8 +123,7 @@ class _End:
 
     def _say(self, topic: str, format: str, level: str = "warn", **fields: Any) -> None:
         """Log *format* with *fields* (and ``end``), throttled by *topic*."""
-        emit = self.throttle.info if level == "info" else self.throttle.warn
-        emit(log, topic, "{end}: " + format, end=self._name(), **fields)
+        self.throttle.log(level, log, topic, "{end}: " + format, end=self._name(), **fields)
 
     def _dropped(self, action: machines.Dropped) -> None:
         self.dropped += 1
@@ -133,10 +132,9 @@ class _End:
 
     def _skipped(self, action: machines.Skipped) -> None:
         self.skipped += 1
-        self._say("skipped", "message {seq}{to} is over the limits the other side said "
-                  "({reason}); a SKIP goes in its place: it is lost, and what follows it goes "
-                  "through", seq=action.seq, reason=action.reason,
-                  to=f" to session {action.routingId}" if action.routingId else "")
+        self._say("skipped", "message {seq}{to} is over the limits the other side said ({reason}); a SKIP "
+                  "goes in its place: it is lost, and what follows it goes through", seq=action.seq,
+                  reason=action.reason, to=f" to session {action.routingId}" if action.routingId else "")
 
     def _notice(self, action: machines.Notice) -> None:
         self._say(action.topic, "{text}", action.level, text=action.text)
@@ -246,9 +244,8 @@ class SessionRouter(_End):
         """Stop listening; the sessions end, and what they hold is lost (warned about)."""
         held = [len(s.seq.unacked) for s in self.machine.sessions.values() if s.seq.unacked]
         if self.inner is not None and held:
-            log.warn("{end} closed with {count} message(s) to {sessions} session(s) not "
-                     "acknowledged by their clients: they are lost", end=self._name(),
-                     count=sum(held), sessions=len(held))
+            log.warn("{end} closed with {count} message(s) to {sessions} session(s) not acknowledged "
+                     "by their clients: they are lost", end=self._name(), count=sum(held), sessions=len(held))
         return self._shutdown()
 
 
@@ -288,9 +285,8 @@ class SessionDealer(_End):
             return
         receiver = _Inner(self)
         try:
-            self.inner = receiver.transport = transport.connect(
-                self.innerEndpoint, receiver, self.reactor, retryPolicy=self._innerRetry,
-                limits=inner_limits(self.limits))
+            self.inner = receiver.transport = transport.connect(self.innerEndpoint, receiver, self.reactor,
+                retryPolicy=self._innerRetry, limits=inner_limits(self.limits))
         except Exception as e:  # out of sockets, ...: try again later, never stop
             self._say("open", "cannot connect: {error}", error=e)
             self._reopen()
@@ -305,10 +301,9 @@ class SessionDealer(_End):
         """The connection closed on a message over our limits, resent at each attach: back off."""
         delay = self.backoff.delay(self.oversizedLosses, self.machine.deadAfter)
         self.oversizedLosses += 1
-        self.throttle.warn(log, "oversized", "{end}: a message from the server is over this "
-                           "side's limits ({reason}); it is resent at each attach, so nothing "
-                           "after it can be received until the limits agree; attaching again "
-                           "in {delay:g}s", end=self._name(), reason=why, delay=delay)
+        self._say("oversized", "a message from the server is over this side's limits ({reason}); it is "
+                  "resent at each attach, so nothing after it can be received until the limits "
+                  "agree; attaching again in {delay:g}s", reason=why, delay=delay)
         self._closeInner()
         self._perform(self.machine.handleDisconnected(self._now()))
         cancel_call(self.reopening)
@@ -357,11 +352,10 @@ class SessionDealer(_End):
         self._tell("sessionRefused", action.reason)
 
     def _renewed(self, action: machines.Renewed) -> None:
-        log.warn("{end}: the server's session for this client ended (it expired, was ended as "
-                 "full, or the server restarted) and a new one began: messages the server held "
-                 "for this client and had not delivered are lost; those this client sent that "
-                 "the server had not acknowledged are sent again, so the server may get one "
-                 "twice", end=self._name())
+        log.warn("{end}: the server's session for this client ended (it expired, was ended as full, or "
+                 "the server restarted) and a new one began: messages the server held for this client "
+                 "and had not delivered are lost; those this client sent that the server had not "
+                 "acknowledged are sent again, so the server may get one twice", end=self._name())
         self.oversizedLosses = 0  # what stalled the old session is gone with it
         self._tell("sessionRenewed")
 
@@ -371,10 +365,10 @@ class SessionDealer(_End):
         if self.reopening is None:
             self._reopen()
 
-    _performers = {machines.Send: _send, machines.Deliver: _deliver,
-                   machines.Refusal: _refused, machines.Renewed: _renewed,
-                   machines.Reconnect: _reconnect, machines.Dropped: _End._dropped,
-                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
+    _performers = {machines.Send: _send, machines.Deliver: _deliver, machines.Refusal: _refused,
+                   machines.Renewed: _renewed, machines.Reconnect: _reconnect,
+                   machines.Dropped: _End._dropped, machines.Skipped: _End._skipped,
+                   machines.Notice: _End._notice}
 
     def send(self, frames: list[bytes]) -> None:
         """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""

@@ -12,8 +12,10 @@ hops a request is dropped: 7 hop words pass, 8 do not, as with nng.
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
+from typing import Iterator
 
 from mdp.errors import ProtocolError, TransportError
 
@@ -49,16 +51,9 @@ def pop_word(message: bytes) -> tuple[int, bytes]:
     return _word.unpack_from(message, 0)[0], message[4:]
 
 
-class IdSequence:
+def id_sequence(start: int) -> Iterator[int]:
     """31-bit ids from *start*, +1 each, wrapping to 0."""
-
-    def __init__(self, start: int) -> None:
-        self.value = start & ID_MASK
-
-    def next(self) -> int:
-        value = self.value
-        self.value = (value + 1) & ID_MASK
-        return value
+    return (n & ID_MASK for n in itertools.count(start))
 
 
 _URL = re.compile(r"^(?P<kind>tcp|tcp4|tcp6)://(?P<host>\[[^\]]*\]|[^:/]*):(?P<port>\d+)$")

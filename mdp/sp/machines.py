@@ -12,7 +12,7 @@ import attrs
 from mdp.errors import ProtocolError
 from mdp.machine import Machine, action_type
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
-from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, IdSequence, pop_word, split_backtrace, word
+from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, id_sequence, pop_word, split_backtrace, word
 
 #: Seconds before a request without a reply is sent again (nng's default).
 DEFAULT_RESEND = 60.0
@@ -52,13 +52,12 @@ class ReqMachine(Machine):
     the order they went: ``_sent`` keeps that order (sorted again if the
     clock goes back), its first the next due."""
 
-    def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND,
-                 now: float = 0.0) -> None:
+    def __init__(self, firstId: int, *, resend: float = DEFAULT_RESEND, now: float = 0.0) -> None:
         super().__init__(now)
         if not resend > 0:
             raise ValueError(f"resend must be positive seconds, got {resend!r}")
         self.resend = resend
-        self.ids = IdSequence(firstId)
+        self.ids = id_sequence(firstId)
         self.channels: list[Channel] = []
         self._turn = 0
         self.requests: dict[int, _Request] = {}
@@ -70,7 +69,7 @@ class ReqMachine(Machine):
 
     def handleRequest(self, payload: bytes, now: float) -> tuple[int, list[Any]]:
         self.now = now
-        requestId = self.ids.next() | BOTTOM
+        requestId = next(self.ids) | BOTTOM
         request = _Request(requestId, word(requestId) + payload, next(self._serials))
         self.requests[requestId] = request
         self._send(request)
@@ -150,12 +149,10 @@ class ReqMachine(Machine):
         request.channel = channel
         request.resendAt = self.now + self.resend
         sent = self._sent
-        if sent and next(reversed(sent.values())).resendAt > request.resendAt:
-            # the clock went back: keep the deadlines in order
-            sent[request.requestId] = request
+        late = sent and next(reversed(sent.values())).resendAt > request.resendAt
+        sent[request.requestId] = request
+        if late:  # the clock went back: keep the deadlines in order
             self._sent = OrderedDict(sorted(sent.items(), key=lambda item: item[1].resendAt))
-        else:
-            sent[request.requestId] = request
         self._emit(SendOn(channel, request.body))
 
     def _rearm(self) -> None:
@@ -170,11 +167,10 @@ class _ChannelMachine(Machine):
     """What a REP side and a device share: the hop limit, and a 31-bit id for
     each channel, never one in use."""
 
-    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS,
-                 now: float = 0.0) -> None:
+    def __init__(self, firstChannelId: int, *, maxHops: int = DEFAULT_MAX_HOPS, now: float = 0.0) -> None:
         super().__init__(now)
         self.maxHops = maxHops
-        self.channelIds = IdSequence(firstChannelId)
+        self.channelIds = id_sequence(firstChannelId)
         self.byChannel: dict[Channel, int] = {}
         self.byId: dict[int, Channel] = {}
 
@@ -193,9 +189,9 @@ class _ChannelMachine(Machine):
     def _idOf(self, channel: Channel) -> int:
         if channel in self.byChannel:
             return self.byChannel[channel]
-        number = self.channelIds.next()
+        number = next(self.channelIds)
         while number in self.byId:
-            number = self.channelIds.next()
+            number = next(self.channelIds)
         self.byChannel[channel] = number
         self.byId[number] = channel
         return number
@@ -211,8 +207,7 @@ class RepMachine(_ChannelMachine):
         if maxPending < 1 or maxPendingBytes < 1:
             raise ValueError(f"maxPending and maxPendingBytes must be at least 1, got "
                              f"{maxPending} and {maxPendingBytes}")
-        self.maxPending = maxPending
-        self.maxPendingBytes = maxPendingBytes
+        self.maxPending, self.maxPendingBytes = maxPending, maxPendingBytes
         #: (channel, backtrace) of requests being handled: their payload's size
         self.inHand: dict[tuple[Channel, bytes], int] = {}
         self.pendingBytes = 0
@@ -232,15 +227,14 @@ class RepMachine(_ChannelMachine):
         if len(self.inHand) >= self.maxPending or (
                 self.inHand and self.pendingBytes + size > self.maxPendingBytes):
             return [Overloaded(channel, (
-                f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as "
-                f"many as allowed (maxPending {self.maxPending}, maxPendingBytes "
-                f"{self.maxPendingBytes}); its requester sends it again later"))]
+                f"{len(self.inHand)} requests ({self.pendingBytes} bytes) in hand already, as many as "
+                f"allowed (maxPending {self.maxPending}, maxPendingBytes {self.maxPendingBytes}); its "
+                "requester sends it again later"))]
         self.inHand[token] = size
         self.pendingBytes += size
         return [Serve(token, payload)]
 
-    def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes],
-                    now: float) -> list[Any]:
+    def handleReply(self, token: tuple[Channel, bytes], payload: Optional[bytes], now: float) -> list[Any]:
         """The handler's reply for *token* (None: it cancelled, no reply)."""
         self.now = now
         size = self.inHand.pop(token, None)

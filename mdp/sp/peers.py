@@ -18,16 +18,7 @@ from mdp import transport
 from mdp.errors import ClientClosed
 from mdp.interfaces import IDealerReceiver, IRouterReceiver
 from mdp.messages import as_frame
-from mdp.policy import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_BYTES,
-    Backoff,
-    Limits,
-    LogThrottle,
-    call_at,
-    cancel_call,
-    default_reactor,
-)
+from mdp.policy import Backoff, Limits, LogThrottle, call_at, cancel_call, default_reactor
 from mdp.sp import machines
 from mdp.sp.codec import DEFAULT_MAX_HOPS, endpoint_of
 from mdp.transport.spframing import REP, REQ, SPFraming
@@ -45,8 +36,7 @@ class _Pipe:
     """One connection a REQ side dials, of an :class:`SPClient` or an :class:`SPDevice`."""
 
     def __init__(self, owner: Union[SPClient, SPDevice], url: str) -> None:
-        self.owner = owner
-        self.url = url
+        self.owner, self.url = owner, url
         self.transport: Any = None
         self.up = False
 
@@ -101,8 +91,7 @@ class _Side:
         for url, dial in [(url, endpoint_of(url, listen=False)) for url in urls]:
             pipe = _Pipe(self, url)  # type: ignore[arg-type]
             pipe.transport = StreamDealer(dial, pipe, self.reactor, limits=self.limits,
-                                          framing=SPFraming(REQ),
-                                          retryPolicy=backoff.retryPolicy())
+                                          framing=SPFraming(REQ), retryPolicy=backoff.retryPolicy())
             self.pipes.append(pipe)
 
     def _listen(self, endpoint: str, what: str, then: str = "") -> defer.Deferred[StreamRouter]:
@@ -112,8 +101,7 @@ class _Side:
         def bound(router: StreamRouter) -> StreamRouter:
             listener.transport = router
             self.routers.append(router)
-            log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint,
-                     then=then)
+            log.info("{what} listening on {endpoint}{then}", what=what, endpoint=router.endpoint, then=then)
             return router
 
         return StreamRouter.listen(endpoint_of(endpoint, listen=True), listener, self.reactor,
@@ -183,9 +171,8 @@ class SPClient(_Side):
                 when = None if self._closed else action.when
                 self._timer = call_at(self._timer, self.reactor, when, self._wake)
             else:
-                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: "
-                                   "{reason}", url=getattr(action.channel, "url", "?"),
-                                   reason=action.reason)
+                self.throttle.info(log, "dropped", "SP client dropped a reply from {url}: {reason}",
+                                   url=getattr(action.channel, "url", "?"), reason=action.reason)
         for action in replies:
             d = self._waiting.pop(action.requestId, None)
             if d is not None:
@@ -206,17 +193,15 @@ class SPClient(_Side):
 
 
 class SPServer(_Side):
-    """An SP REP socket: *handler* takes a request's payload and returns bytes, a
-    Deferred or a coroutine (None or a cancelled Deferred: no reply)."""
+    """An SP REP socket: *handler* takes a request's payload and returns bytes, a Deferred or a
+    coroutine (None or a cancelled Deferred: no reply); *options* (*maxHops*, *maxPending*,
+    *maxPendingBytes*) are :class:`~mdp.sp.machines.RepMachine`'s."""
 
     def __init__(self, handler: Callable[[bytes], Any], reactor: Optional[Any] = None, *,
-                 maxHops: int = DEFAULT_MAX_HOPS, limits: Limits = Limits(),
-                 maxPending: int = DEFAULT_MAX_PENDING,
-                 maxPendingBytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+                 limits: Limits = Limits(), **options: Any) -> None:
         super().__init__(reactor, limits)
         self.handler = handler
-        self.machine = machines.RepMachine(random_id(), maxHops=maxHops, maxPending=maxPending,
-                                           maxPendingBytes=maxPendingBytes, now=self._now())
+        self.machine = machines.RepMachine(random_id(), now=self._now(), **options)
         self.served = 0
         #: requests dropped at maxPending or maxPendingBytes
         self.overloaded = 0
@@ -236,9 +221,9 @@ class SPServer(_Side):
             else:
                 overloaded = kind is machines.Overloaded
                 self.overloaded += overloaded
-                say = self.throttle.warn if overloaded else self.throttle.info
-                say(log, "overloaded" if overloaded else "dropped", "SP server dropped a request "
-                    "from {peer}: {reason}", peer=peer_label(*action.channel), reason=action.reason)
+                level, topic = ("warn", "overloaded") if overloaded else ("info", "dropped")
+                self.throttle.log(level, log, topic, "SP server dropped a request from {peer}: {reason}",
+                                  peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
         def run() -> Any:
@@ -283,8 +268,7 @@ class SPDevice(_Side):
         self.backs = self.pipes  # the upstream connections
 
     def listen(self, front: str) -> defer.Deferred[StreamRouter]:
-        return self._listen(front, "SP device",
-                            f", forwarding to {', '.join(b.url for b in self.backs)}")
+        return self._listen(front, "SP device", f", forwarding to {', '.join(b.url for b in self.backs)}")
 
     def _perform(self, actions: list[Any], what: str = "request from a peer") -> None:
         for action in actions:
