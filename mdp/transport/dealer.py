@@ -35,10 +35,8 @@ class _DealerConnection(FramedProtocol):
 
     dealer: StreamDealer
     paused = False
-    #: when it was made (over TLS, the handshake done); None: not yet
-    madeAt: Optional[float] = None
-    #: something came from the far side, or it stayed up :data:`PROVEN_AFTER`
-    proven = False
+    madeAt: Optional[float] = None  # (over TLS, once the handshake is done)
+    proven = False  # something came, or it stayed up PROVEN_AFTER
 
     #: (a framing with a greeting) its timer, and what came meanwhile
     _awaiting: Any = None
@@ -54,8 +52,7 @@ class _DealerConnection(FramedProtocol):
             self.handshakeCompleted()
         shortcut_reads(self)
         self.transport.registerProducer(self, True)
-        if awaits:
-            # not the dealer's until the peer's greeting shows it speaks the counterpart
+        if awaits:  # not the dealer's until the peer's greeting comes
             self._early = []
             self.onMessage = self._early.append
             self._awaiting = self.dealer.reactor.callLater(
@@ -138,7 +135,7 @@ class _DealerConnection(FramedProtocol):
 
 
 class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, named by its string in logs."""
+    """A client endpoint that reports each failed attempt, shown as its string."""
 
     def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
         self.endpoint = endpoint
@@ -160,8 +157,8 @@ class _ReportingEndpoint:
 
 def _connection(owner: Any, endpoint: str,
                 retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping *owner*'s connection; one lost
-    before it was proven counts as a failed attempt (``owner._unproven``)."""
+    """A started :class:`ClientService` keeping *owner*'s connection (one lost
+    unproven counts as a failed attempt)."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
@@ -177,9 +174,8 @@ def _connection(owner: Any, endpoint: str,
 
 
 class _OneConnection:
-    """A connecting side's one connection (``protocol``, None while down) and
-    its flow control; what is sent meanwhile waits, within ``maxQueued``
-    messages and ``limits.maxOutputBytes``."""
+    """A connecting side's one connection (``protocol``, None while down) and its
+    flow control; what is sent meanwhile waits, within ``maxQueued`` and bytes."""
 
     maxQueued = 1000
     kind = "stream dealer"
@@ -206,8 +202,7 @@ class _OneConnection:
         return proto
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
-        """What *frames* cost held, or None (warned) past the bounds; raises
-        for a message that cannot be encoded."""
+        """What *frames* cost held, or None (warned) past the bounds."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
@@ -234,12 +229,11 @@ class _OneConnection:
     def _tellMade(self, receiver: IDealerReceiver, kind: Optional[str] = None) -> None:
         try:
             receiver.connectionMade()
-        except Exception:  # (raised, it would leave the connection half made)
+        except Exception:
             log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
                         kind=kind or self.kind, endpoint=self.endpoint)
 
     def _stop(self) -> defer.Deferred[None]:
-        """Stop the service and its connection (flushed first); fired once stopped."""
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
         self._waiters.fire()
@@ -261,8 +255,7 @@ class _OneConnection:
 
 @implementer(IDealerTransport)
 class StreamDealer(_OneConnection):
-    """The connecting side: one :class:`ClientService`-managed connection;
-    what is sent while it is down goes out after the next ``connectionMade``."""
+    """The connecting side: one :class:`ClientService`-managed connection."""
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
@@ -278,7 +271,6 @@ class StreamDealer(_OneConnection):
         return self.protocol is not None
 
     def discardReceived(self) -> int:
-        """Drop the records of the current read not delivered yet; how many."""
         return 0 if self.protocol is None else self.protocol.discardBatch()
 
     def _made(self, proto: _DealerConnection) -> None:
@@ -301,8 +293,7 @@ class StreamDealer(_OneConnection):
             self._waiters.fire()
         if self.service is None:
             return
-        if proto._early is not None:
-            # its greeting never came: a failed attempt
+        if proto._early is not None:  # its greeting never came: a failed attempt
             self._failed(reason.value if isinstance(reason, Failure) else reason)
             return
         self.receiver.connectionLost(reason)

@@ -1,8 +1,7 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
-identity its greeting announces.  :class:`~mdp.policy.Limits` bound the waits,
-the connections and what is unread; a full listener closes the connection that
+identity its greeting announces.  A full listener closes the connection that
 has done least to admit a newcomer (:func:`_leastUseful`; docs/transports.md)."""
 
 from __future__ import annotations
@@ -38,11 +37,10 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
 
-#: every listening side of the process (they share the descriptor budget)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 #: connections dropped to make room and not closed yet, past which newcomers
-#: are refused at the descriptor budget (a burst spends at most this of the reserve)
+#: are refused at the descriptor budget
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
 #: channels ended here and not acknowledged before the connection is dropped
@@ -55,14 +53,13 @@ NEWCOMER_GRACE = 1.0
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
     """An accepted connection, push producer of its transport.  With channels,
-    each channel is a peer (the connection's id and the channel's), opened by
-    its first message and ended by an empty record from either side."""
+    each is a peer, opened by its first message and ended by an empty record."""
 
     router: StreamRouter
     peer: bytes
-    greeted = False  # its handshake is done (a message, or its framing's own)
+    greeted = False  # its handshake is done
     useful = False  # never closed to make room
-    host: Optional[str] = None  # its IP address
+    host: Optional[str] = None
     paused = False
     makingRoom = False
     tlsSubject: Any = False
@@ -81,7 +78,6 @@ class _RouterConnection(FramedProtocol):
         self.backlogBytes = 0
         self._recordsAtArm = -1
         self.channels: dict[bytes, bytes] = {}
-        #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
         self.hostRanks = ranks = router.hostRanks.setdefault(self.host, ({}, {}))
@@ -92,14 +88,12 @@ class _RouterConnection(FramedProtocol):
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
     def subject(self) -> Optional[str]:
-        """Its TLS client certificate's subject, or None."""
         if self.tlsSubject is False:
             certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
             self.tlsSubject = subject(certificate) if certificate is not None else None
         return self.tlsSubject  # type: ignore[no-any-return]
 
     def _rename(self, identity: bytes) -> None:
-        """The peer announced *identity*: an older connection with it is dropped."""
         router = self.router
         old = router.connections.get(identity)
         if old is not None and old is not self:
@@ -108,7 +102,7 @@ class _RouterConnection(FramedProtocol):
                           "TLS certificate", identity=identity.hex())
                 return
             old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
-            if old.useful:  # (the receiver hears of no new peer: nothing marks it again)
+            if old.useful:
                 self.markUseful()
         router.connections.pop(self.peer, None)
         self.peer = identity
@@ -127,13 +121,11 @@ class _RouterConnection(FramedProtocol):
         self.router.receiver.messageReceived(self.peer, frames)
 
     def _greet(self) -> None:
-        """Its handshake is done: no more handshake deadline."""
         self.greeted = True
         self._cancelTimer()
 
     def _spoke(self) -> None:
-        """A message from a peer not useful yet: the last of those to make room
-        (useful now if its receiver does not judge)."""
+        """A message from a peer not useful yet: the last to make room."""
         if not self.greeted:
             self._greet()
         self._unrank()
@@ -145,7 +137,7 @@ class _RouterConnection(FramedProtocol):
     def markUseful(self, useful: bool = True) -> None:
         self.useful = useful
         self._unrank()
-        if not useful and not self.dropped:  # as if heard now
+        if not useful and not self.dropped:
             self.router.spoken[self] = self.hostRanks[1][self] = None
 
     def _unrank(self) -> None:
@@ -160,7 +152,7 @@ class _RouterConnection(FramedProtocol):
         channel, frames = item
         router = self.router
         peer = self.channels.get(channel)
-        if not frames:  # the peer ended the channel, or knows that this side did
+        if not frames:  # ended, or the end acknowledged
             if peer is not None:
                 self._forgetChannel(channel)
                 router.receiver.peerDisconnected(peer)
@@ -186,7 +178,6 @@ class _RouterConnection(FramedProtocol):
         router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
-        """*channel* is no longer open: its peer id (None: it was not open)."""
         peer = self.channels.pop(channel, None)
         if peer is not None:
             self.router.channels.pop(peer, None)
@@ -195,15 +186,13 @@ class _RouterConnection(FramedProtocol):
         return peer
 
     def _end(self, channel: bytes) -> None:
-        """Tell the peer *channel* is ended; ignore it until acknowledged."""
-        self.sendOn(channel, [])
+        self.send([], channel)
         self.unacknowledged.add(channel)
         if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
             self.drop("it did not acknowledge the end of {count} channels",
                       count=len(self.unacknowledged))
 
     def endChannel(self, channel: bytes) -> None:
-        """End *channel*: its peer is reported disconnected next turn."""
         peer = self._forgetChannel(channel)
         if peer is None:
             return
@@ -214,8 +203,7 @@ class _RouterConnection(FramedProtocol):
     _turnCall: Any = None
 
     def _batchBegun(self) -> None:
-        if getattr(self.decoder, "channels", False):
-            # replies from many reads of the turn go out together at its end
+        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
             if self._turnCall is None:
                 self._turnCall = call_soon(self.router.reactor, self._flushTurn)
             return
@@ -230,7 +218,7 @@ class _RouterConnection(FramedProtocol):
 
     def _cancelTurn(self) -> None:
         call, self._turnCall = self._turnCall, None
-        if call is not None:  # (pending: it clears this when it runs)
+        if call is not None:
             call.cancel()
 
     def dataReceived(self, data: bytes) -> None:
@@ -246,7 +234,7 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            self._greet()  # its framing's handshake (SP's header) makes it a peer, as in nng
+            self._greet()  # its framing's handshake (SP's header)
         if not self.greeted or self.closing:
             return
         decoder = self.decoder
@@ -259,7 +247,6 @@ class _RouterConnection(FramedProtocol):
             self._cancelTimer()
 
     def _arm(self, seconds: float, why: str) -> None:
-        """Drop the connection for *why* in *seconds*, unless told otherwise."""
         self._cancelTimer()
         self._timer = self.router.reactor.callLater(seconds, self._timedOut, why, seconds)
 
@@ -270,27 +257,20 @@ class _RouterConnection(FramedProtocol):
     def _cancelTimer(self) -> None:
         self._timer = cancel_call(self._timer)
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes], channel: Optional[bytes] = None) -> None:
+        """Send *frames* (on *channel*: empty ends it); held while the buffer
+        is full, within ``maxOutputBytes``."""
         if self.closing:
             return
         record = self.encode(frames)
-        if not self.paused and not self.backlog:
+        if self.paused or self.backlog:
+            self._hold(record if channel is None else channel + record)
+        elif channel is None:
             self._queue(record)
-            return
-        self._hold(record)
-
-    def sendOn(self, channel: bytes, frames: list[bytes]) -> None:
-        """Send *frames* on *channel* (empty: end it)."""
-        if self.closing:
-            return
-        record = self.encode(frames)
-        if not self.paused and not self.backlog:
+        else:
             self._queueOn(channel, record)
-            return
-        self._hold(channel + record)
 
     def _hold(self, record: bytes) -> None:
-        """Keep *record* while the buffer is full, within ``maxOutputBytes``."""
         self.backlog.append(record)
         self.backlogBytes += len(record)
         if self.backlogBytes > self.limits.maxOutputBytes:
@@ -315,8 +295,7 @@ class _RouterConnection(FramedProtocol):
         self.backlogBytes = 0
 
     def closeGracefully(self) -> None:
-        """Close once what is written is sent, or after ``recordTimeout`` at
-        the latest (a peer that does not read would keep its slot)."""
+        """Close once what is written is sent, or after ``recordTimeout``."""
         if self.dropped or self.closedHere:
             return
         self.flushWrites()
@@ -353,8 +332,7 @@ class _RouterConnection(FramedProtocol):
 
 
 class _Refused(Protocol):
-    """A connection refused at a cap, closed at once (a TLS wrapper would keep
-    a None protocol's socket open)."""
+    """A connection refused at a cap, closed at once (not None: TLS would keep it)."""
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -384,14 +362,12 @@ class StreamRouter:
     """The bound side: :meth:`listen` binds an endpoint string; :meth:`factory`
     serves a port of one's own."""
 
-    #: accepted connections open in the process, and those dropped to make room
     accepted = 0
     makingRoom = 0
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
-        #: its receiver calls peers useful: others that spoke may make room
         self.judged = bool(getattr(receiver, "marksUseful", False))
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -399,17 +375,14 @@ class StreamRouter:
         self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
         self.throttle = LogThrottle(self.reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
-        #: peer id -> (connection, channel)
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
-        #: connections that carry at least one open channel
-        self.carriers = 0
+        self.carriers = 0  # connections with an open channel
         self.closed = False
         #: connections that have not yet sent a message, oldest first
         self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
         #: connections that have, not yet useful, least recently heard first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
         self.ranks = (self.ungreeted, self.spoken)
-        #: the same, of each IP address's connections
         self.hostRanks: dict[Optional[str], tuple[dict, dict]] = {}
         self.hosts: dict[Optional[str], int] = {}  # connections by IP address
         self.port: Optional[IListeningPort] = None
@@ -417,13 +390,10 @@ class StreamRouter:
         self.overflows = 0
         self.refused = 0
         self.evicted = 0  # connections closed to admit a newcomer
-        #: input being handled (depth): what is sent meanwhile is flushed after
         self.reading = 0
         self.dirty: list[_RouterConnection] = []
         self.flushCall: Any = None
-        #: connections the process's descriptors leave room for (None: no cap)
         self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
-        #: its factory may be wrapped (TLS): refuse with :class:`_Refused`
         self.wrapped = True
         self._listening = False
         _routers.add(self)
@@ -456,8 +426,7 @@ class StreamRouter:
 
     def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
         """Why a connection from *host* may not be added now (None: it may), and
-        the one to close to admit it (None: refuse it); at the process's cap, of
-        any listener."""
+        the one to close to admit it (None: refuse it)."""
         perAddress = self.limits.maxConnectionsPerAddress
         now = self.reactor.seconds()
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
@@ -474,18 +443,18 @@ class StreamRouter:
                 _leastUseful([router.ranks for router in (self, *_routers - {self})], now))
 
     def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
-        """Close *connection* to admit a newcomer from *addr*."""
         router, connection.makingRoom = connection.router, True
         did = "nothing useful yet" if connection in router.spoken else "no message"
         router.evicted += 1
         StreamRouter.makingRoom += 1
         connection.drop("making room for a new connection from {address} ({full}): it had sent "
                         "{did}", address=str(addr), full=full, did=did)
-        router._forget(connection)
+        if router.connections.get(connection.peer) is connection:  # counted no more at once
+            del router.connections[connection.peer]
+            router.receiver.peerDisconnected(connection.peer)
 
     def markUseful(self, peer: bytes, useful: bool = True) -> None:
-        """*peer* does useful work, its receiver says: never closed to make room;
-        or (*useful* false) no longer does (a channel's connection stays useful)."""
+        """*peer* does useful work (never closed to make room), or no longer does."""
         connection = self._connectionOf(peer) if useful else self.connections.get(peer)
         if connection is not None:
             connection.markUseful(useful)
@@ -497,8 +466,7 @@ class StreamRouter:
             del self.hostRanks[host]
 
     def _fullOfChannels(self) -> Optional[str]:
-        """Why no connection or channel may be added now, or None (a first
-        channel takes its connection's place)."""
+        """Why no connection or channel may be added now, or None."""
         if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
@@ -508,7 +476,6 @@ class StreamRouter:
             self.receiver.peerDisconnected(peer)
 
     def _checkBudget(self) -> None:
-        """Warn when the descriptor limit, not maxConnections, is the cap."""
         budget = self.descriptorBudget()
         if budget is not None and budget < self.limits.maxConnections:
             log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
@@ -519,12 +486,6 @@ class StreamRouter:
     def _factoryStarted(self) -> None:
         if self.port is None and not self._listening:
             self._checkBudget()
-
-    def _forget(self, connection: _RouterConnection) -> None:
-        """Stop counting an aborted connection at once."""
-        if self.connections.get(connection.peer) is connection:
-            del self.connections[connection.peer]
-            self.receiver.peerDisconnected(connection.peer)
 
     def factory(self) -> Factory:
         """An :class:`IProtocolFactory` whose connections this router serves."""
@@ -564,12 +525,10 @@ class StreamRouter:
         return server.listen(factory).addCallbacks(listening, failed)
 
     def peerAddress(self, peer: bytes) -> Optional[str]:
-        """Twisted's address of *peer*'s connection, or None once it is gone."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.peerName()
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The subject of *peer*'s TLS client certificate, or None."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.subject()
 
@@ -580,19 +539,17 @@ class StreamRouter:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.send(frames)
-            return
-        channel = self.channels.get(peer)
-        if channel is not None:
-            channel[0].sendOn(channel[1], frames)
+        elif peer in self.channels:
+            connection, channel = self.channels[peer]
+            connection.send(frames, channel)
 
     def disconnectPeer(self, peer: bytes) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.closeGracefully()
-            return
-        channel = self.channels.get(peer)
-        if channel is not None:
-            channel[0].endChannel(channel[1])
+        elif peer in self.channels:
+            connection, channel = self.channels[peer]
+            connection.endChannel(channel)
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None

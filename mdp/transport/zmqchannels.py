@@ -1,14 +1,12 @@
 """Many pipes over one ZeroMQ DEALER: each pipe is a *relay hop*, a four-byte
-frame before its messages, the way a ROUTER-DEALER proxy in front of a server
-adds one (for MDP: docs/mdp.md, "Relayed peers").  What one wake-up brings for
-many pipes is one read, and what they send together one write.
+frame before its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed
+peers").
 
 Only a server that relays answers a relayed message, so once a second pipe is
-open at once, a link sends its *probe* (a request any answer to which will do)
-on a relay hop.  The first pipe never waits for the answer; one opened while
-the probe is out waits up to :data:`PROBE_WAIT` seconds, then goes alone, as
-does every pipe until an answer comes: a DEALER of its own, what a server
-without relays (majortomo's MDP broker, say) expects."""
+open, a link sends its *probe* (any answer will do) on a relay hop.  A pipe
+opened while the probe is out waits up to :data:`PROBE_WAIT` seconds, then goes
+alone (a DEALER of its own, as a server without relays expects), as does every
+pipe until an answer comes."""
 
 from __future__ import annotations
 
@@ -34,16 +32,14 @@ PROBE_WAIT = 0.5
 #: messages a waiting pipe holds until it is up or goes alone
 MAX_HELD = 1000
 
-#: a link's states: one pipe at most so far; the probe is out; its wait is over,
-#: unanswered; answered
+#: a link's states: one pipe so far; probe out; probe unanswered; answered
 ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relaying"
 
 
 @implementer(IDealerTransport)
 class ZmqChannel:
-    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER,
-    or (``alone``) a DEALER of its own; until the link knows which, a waiting
-    pipe holds what is sent."""
+    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER, or
+    (``alone``) a DEALER of its own; until the link knows which, it holds what is sent."""
 
     def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
         self.link = link
@@ -71,7 +67,6 @@ class ZmqChannel:
         return (self.alone or self.link.dealer).drained()
 
     def discardReceived(self) -> int:
-        """A relayed pipe's messages are delivered as they come: none wait."""
         return self.alone.discardReceived() if self.alone is not None else 0
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -100,8 +95,7 @@ class ZmqChannel:
 @implementer(IDealerChannels, IDealerReceiver)
 class ZmqChannels:
     """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
-    server answers the *probe* (frames, sent after a hop), DEALERs of their own
-    where it does not."""
+    server answers the *probe*, DEALERs of their own where it does not."""
 
     def __init__(self, endpoint: str, reactor: Any, probe: list[bytes],
                  limits: Limits = Limits(),
@@ -115,18 +109,14 @@ class ZmqChannels:
         self.security = security
         self.throttle = LogThrottle(reactor)
         self.state = ALONE
-        #: relayed pipes by hop; pipes waiting for the probe's answer; the
-        #: DEALERs of the pipes alone
         self.relayed: dict[bytes, ZmqChannel] = {}
         self.waiting: list[ZmqChannel] = []
         self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
         self.up = False
         self.closed = False
-        #: messages for hops no pipe has (closed, or never opened): dropped
-        self.stale = 0
+        self.stale = 0  # messages for hops no pipe has
         self._next = 0
         self._waitCall: Any = None
-        #: the DEALER of the relay hops, once a second pipe is open
         self.dealer: Any = None
 
     def _dealer(self, receiver: Any) -> ZmqDealer:
@@ -134,8 +124,8 @@ class ZmqChannels:
                          curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        """A relayed pipe; or, while no other is open or the probe went
-        unanswered, a DEALER of its own; else a pipe that waits for the answer."""
+        """A relayed pipe; a DEALER of its own while no other is open or the probe
+        went unanswered; else a pipe that waits for the answer."""
         if self.closed:
             raise RuntimeError(f"the pipes to {self.endpoint} are closed")
         if self.state is not RELAYING and (self.state is UNANSWERED or not (
@@ -147,7 +137,7 @@ class ZmqChannels:
         if self.state is RELAYING:
             self._relay(pipe)
             return pipe
-        if self.state is ALONE:  # a second pipe at once: ask whether the server relays
+        if self.state is ALONE:  # a second pipe: ask whether the server relays
             self.state = PROBING
             self.dealer = self._dealer(self)
             self.dealer.sendMessage([PROBE_HOP, *self.probe])
@@ -164,7 +154,7 @@ class ZmqChannels:
         pipe.hop = hop
         self.relayed[hop] = pipe
         held, pipe.held = pipe.held, []
-        for frames in held:  # (the DEALER keeps them while it connects)
+        for frames in held:
             pipe.sendMessage(frames)
         if self.up:
             self.reactor.callLater(0, self._made, pipe)
@@ -181,8 +171,7 @@ class ZmqChannels:
             pipe.alone.sendMessage(frames)
 
     def _unanswered(self) -> None:
-        """The probe's wait is over: the waiting pipes go alone (a later answer
-        still relays the pipes opened after it)."""
+        """The waiting pipes go alone (a later answer relays those opened after)."""
         self._waitCall = None
         if self.state is PROBING:
             self.state = UNANSWERED
@@ -198,8 +187,6 @@ class ZmqChannels:
             del self.relayed[pipe.hop]
         if pipe in self.waiting:
             self.waiting.remove(pipe)
-
-    # --- the shared DEALER's receiver ------------------------------------
 
     def connectionMade(self) -> None:
         self.up = True
@@ -222,9 +209,8 @@ class ZmqChannels:
             self.stale += 1
 
     def hopOversized(self, hop: bytes, count: int, size: int) -> bool:
-        """A message over the limits came on *hop* (read off): its pipe alone
-        goes on as a new hop, as a DEALER of its own is replaced, and hears
-        ``connectionLost``; the other pipes are not touched."""
+        """A message over the limits came on *hop*: its pipe alone goes on as a
+        new hop and hears ``connectionLost``."""
         pipe = self.relayed.get(hop)
         if pipe is not None:
             why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
@@ -234,7 +220,7 @@ class ZmqChannels:
     def _hopReplaced(self, pipe: ZmqChannel, hop: bytes, why: Exception) -> None:
         if self.relayed.get(hop) is pipe:
             del self.relayed[hop]
-            self._relay(pipe)  # (what still comes on the old hop is stale)
+            self._relay(pipe)
             pipe.receiver.connectionLost(Failure(why))
 
     def _answered(self) -> None:

@@ -1,6 +1,5 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, the
-socket options, and the loop-free calls that read and send a whole message
-(:func:`socket_calls`), shared by the txzmq connections and the blocking pipes."""
+"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, socket
+options, and the calls that read and send a whole message (:func:`socket_calls`)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ HIGH_WATER_MARK = 100_000
 #: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and on
 #: a connecting ROUTER); small, as libzmq counts messages, not bytes.
 ROUTER_HIGH_WATER_MARK = 64
-#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind and
-#: never changed: libzmq <= 4.3.5 crashes on a freed pipe when SNDHWM changes
-#: (libzmq issue #4524).
+#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind, never
+#: changed (libzmq issue #4524).
 ROUTER_SEND_WATER_MARK = 128
 LINGER_MS = 200
 
@@ -41,8 +39,7 @@ def zmq_factory() -> Any:
         import txzmq
 
         class Factory(txzmq.ZmqFactory):
-            """Runs ``beforeTerm`` callables (closing monitor sockets) before
-            terminating the context, which would wait on an open socket."""
+            """Runs ``beforeTerm`` callables before terminating the context."""
 
             def __init__(self) -> None:
                 super().__init__()
@@ -61,18 +58,15 @@ def zmq_factory() -> Any:
 
 #: Messages handled per doRead before yielding to the reactor.
 READ_BATCH = 64
-#: After a doRead of this many messages, the next reads until a recv fails
-#: instead of asking EVENTS before every message.
+#: After a doRead of this many messages, the next asks EVENTS only once.
 BUSY_BATCH = 8
 #: Peers a ROUTER remembers as cut off (messages for them are discarded).
 MAX_CUT_OFF = 10_000
 #: Frames of a message over the limits read off per doRead.
 FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying (below, a copy is
-#: cheaper than pyzmq's release of a zero-copy frame).
+#: Frames at least this long are sent without copying.
 ZERO_COPY_BYTES = 1 << 20
-#: Frames at least this long may be kept uncopied (``keepFramesFrom``);
-#: shorter ones may share a libzmq read buffer, and are copied.
+#: Frames at least this long may be kept uncopied (``keepFramesFrom``).
 KEEP_FRAME_BYTES = 16 * 1024
 
 
@@ -80,8 +74,7 @@ _frames: Any = None
 
 
 def zmq_frames() -> Any:
-    """:mod:`mdp.transport._zmqframes`, bound to pyzmq's libzmq, where it is
-    built and current; else None (messages go through pyzmq's calls)."""
+    """:mod:`mdp.transport._zmqframes` bound to pyzmq's libzmq, or None."""
     global _frames
     if _frames is None:
         _frames = False
@@ -113,8 +106,7 @@ OVER = 1
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
     """``(read, send, events, native)``: the calls that read a whole message,
-    send one and ask ``EVENTS``, given a :func:`socket_handle`; in C
-    (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
+    send one and ask ``EVENTS``; in C where built and *native*, else pyzmq's."""
     frames = zmq_frames() if native else None
     if frames is None:
         return read_pyzmq, send_pyzmq, events_pyzmq, False
@@ -129,10 +121,9 @@ def socket_handle(socket: Any, native: bool) -> Any:
 def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrames: int,
                maxBytes: int, envelope: bool,
                identified: Optional[Callable[[bytes, Optional[str]], None]] = None) -> Any:
-    """``_zmqframes.read`` through pyzmq: a message's frames (those past
-    *keepAfter* of *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first
-    frame or b"", frames, bytes, more follow])`` once over the limits; with
-    *identified*, ``identified(first frame, User-Id)`` first."""
+    """``_zmqframes.read`` through pyzmq: the frames (past *keepAfter*, those of
+    *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first frame or b"", frames,
+    bytes, more follow])``; with *identified*, ``identified(first frame, User-Id)``."""
     frame = _recv(socket, flags, False)
     size = 0 if envelope else len(frame)
     if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
@@ -147,8 +138,7 @@ def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrame
         if count > maxFrames or size > maxBytes:
             return OVER, [frames[0], count, size, frame.more]
         frames.append(frame if length >= keepBytes and count > keepAfter else frame.bytes)
-    if identified is not None and count > 1:
-        # the routing id a ROUTER adds carries no metadata
+    if identified is not None and count > 1:  # (the routing id carries no metadata)
         identified(frames[0], frame.get("User-Id"))
     return frames
 
@@ -165,8 +155,7 @@ def events_pyzmq(socket: Any) -> int:
 
 
 def skip_pyzmq(socket: Any, budget: int) -> tuple[int, int, bool]:
-    """``_zmqframes.skip`` through pyzmq: read off up to *budget* frames of the
-    message being read; ``(frames, bytes, more follow)``."""
+    """``_zmqframes.skip`` through pyzmq: ``(frames, bytes, more follow)``."""
     count = size = 0
     more = True
     while more and count < budget:
@@ -187,37 +176,27 @@ def _connection_classes() -> tuple[type, type]:
         skip = zmq_frames().skip if native else skip_pyzmq
 
         class FastIO:
-            """txzmq's read and send paths through :func:`socket_calls`: at most
-            READ_BATCH messages a turn, a read after a send only when EVENTS
-            says input is pending (the FD is edge-triggered)."""
+            """txzmq's read and send through :func:`socket_calls`: at most
+            READ_BATCH messages a turn (the FD is edge-triggered)."""
 
             read_scheduled: Any
             socket: Any
             factory: Any
             reading = False
-            #: mdp.uvreactor may call doRead without Twisted's legacy log context
             needsLogContext = False
-            #: frames of routing envelope before the message (1 on a ROUTER)
-            envelope = 0
-            #: call ``owner.identified(peer, userId)`` before each delivery
+            envelope = 0  # frames of routing id (1 on a ROUTER)
             identify = False
             maxBytes = Limits().maxMessageBytes
             maxFrames = Limits().maxFrames
             #: a message over the limits being read off: [first frame, frames, bytes, more]
             skipping: Any = None
-            #: messages the last doRead delivered (see BUSY_BATCH)
-            lastBatch = 0
+            lastBatch = 0  # messages the last doRead delivered
             owner: Any = None
-            #: frames after this many (routing id included) of KEEP_FRAME_BYTES
-            #: or more are delivered uncopied
-            keepAfter = 1 << 62
-            #: what :func:`socket_calls` take (:func:`socket_handle`); 0 once closed
-            handle: Any = 0
+            keepAfter = 1 << 62  # frames past this many may be kept uncopied
+            handle: Any = 0  # what socket_calls take; 0 once closed
 
             def doRead(self) -> None:
-                """Read at most READ_BATCH messages (also ``readNow``, for
-                :mod:`mdp.uvreactor`).  A failed read is logged and ends the
-                reading (``connectionLost``), as Twisted's reactor does."""
+                """Read at most READ_BATCH messages; a failure ends the reading."""
                 try:
                     if self.read_scheduled is not None:
                         self.read_scheduled = cancel_call(self.read_scheduled)
@@ -238,7 +217,6 @@ def _connection_classes() -> tuple[type, type]:
                     budget = FRAMES_PER_TURN
                     busy = self.lastBatch >= BUSY_BATCH
                     delivered = 0
-                    # sends while reading need no EVENTS check: the loop asks again
                     self.reading = True
                     try:
                         for _ in range(READ_BATCH):
@@ -276,14 +254,13 @@ def _connection_classes() -> tuple[type, type]:
             readNow = doRead
 
             def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
-                """The read call and what it takes (C cannot see a message's User-Id)."""
+                """The read call and what it takes (only pyzmq's sees User-Id)."""
                 if self.identify:
                     return partial(read_pyzmq, identified=self.owner.identified), socket
                 return read, handle
 
             def discardQueued(self) -> int:
-                """Drop up to READ_BATCH waiting messages; how many.  Not while
-                a message over the limits is read off: that one ends the pipe."""
+                """Drop up to READ_BATCH waiting messages; how many."""
                 socket = self.socket
                 dropped = 0
                 if socket is None or self.skipping is not None:
@@ -304,8 +281,7 @@ def _connection_classes() -> tuple[type, type]:
                 return dropped
 
             def _skip(self, socket: Any, budget: int) -> int:
-                """Read off up to *budget* frames of the message over the limits;
-                the budget left."""
+                """Read off the message over the limits; the budget left."""
                 head, count, size, more = self.skipping
                 if more:
                     frames, length, more = skip(self.handle or self._handle(socket), budget)
@@ -319,8 +295,7 @@ def _connection_classes() -> tuple[type, type]:
                 return budget
 
             def attached(self) -> None:
-                """Look for input a turn after a bind or connect (an inproc
-                pipe attached within the call signals nothing)."""
+                """Look for input a turn after a bind or connect."""
                 if self.read_scheduled is None and self.socket is not None:
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
@@ -342,7 +317,7 @@ def _connection_classes() -> tuple[type, type]:
                         self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
             def shutdown(self) -> None:
-                self.handle = 0  # (libzmq frees the socket: its address is no longer one)
+                self.handle = 0
                 super().shutdown()  # type: ignore[misc]
 
         class Router(FastIO, txzmq.ZmqRouterConnection):
@@ -363,8 +338,7 @@ def _connection_classes() -> tuple[type, type]:
 
 
 class FlushPacer:
-    """When to try a full pipe again (libzmq's edge-triggered drain signal may
-    be consumed elsewhere): backing off, doubling up to ``longest`` seconds."""
+    """When to try a full pipe again: backing off up to ``longest`` seconds."""
 
     shortest = 0.0005
     longest = 0.05
@@ -378,7 +352,7 @@ class FlushPacer:
 
 
 def random_identity() -> bytes:
-    """16 random bytes for a peer id (no leading zero byte: ZeroMQ's own ids)."""
+    """16 random bytes, not ZeroMQ's own ids' leading zero."""
     return bytes([os.urandom(1)[0] | 1]) + os.urandom(15)
 
 
