@@ -93,41 +93,59 @@ class _RouterConnection(FramedProtocol):
             self.tlsSubject = subject(certificate) if certificate is not None else None
         return self.tlsSubject  # type: ignore[no-any-return]
 
-    def _rename(self, identity: bytes) -> None:
-        router = self.router
-        old = router.connections.get(identity)
-        if old is not None and old is not self:
-            if old.subject() != self.subject():
-                self.drop("it announced identity {identity}, held by a connection with another "
-                          "TLS certificate", identity=identity.hex())
-                return
-            old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
-            if old.useful:
-                self.markUseful()
-        router.connections.pop(self.peer, None)
-        self.peer = identity
-        router.connections[identity] = self
-
     def _deliver(self, frames: list[bytes]) -> None:
+        router = self.router
         if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
-            self._deliverOn(frames)  # type: ignore[arg-type]
-            return
-        if self.decoder.identity is not None and self.decoder.identity != self.peer:
-            self._rename(self.decoder.identity)
-            if self.closing:
-                return  # refused the identity
+            channel, frames = frames
+            peer = self.channels.get(channel)
+            if not frames:  # ended, or the end acknowledged
+                if peer is not None:
+                    self._forgetChannel(channel)
+                    router.receiver.peerDisconnected(peer)
+                else:
+                    self.unacknowledged.discard(channel)
+                return
+            if peer is None:
+                if channel in self.unacknowledged:
+                    return  # sent before the peer knew the channel was ended
+                full = router._fullOfChannels() if self.channels else None
+                if full is not None:
+                    router.refused += 1
+                    self._warn("channel", "stream peer {peer} opened a channel over the cap "
+                               "({full}): ended it", full=full)
+                    self._end(channel)
+                    return
+                if not self.channels:
+                    router.carriers += 1
+                peer = self.channels[channel] = self.peer + channel
+                router.channels[peer] = (self, channel)
+        else:
+            peer = self.decoder.identity
+            if peer is None:
+                peer = self.peer
+            elif peer != self.peer:  # announced: an older holder is dropped
+                old = router.connections.get(peer)
+                if old is not None and old is not self:
+                    if old.subject() != self.subject():
+                        self.drop("it announced identity {identity}, held by a connection with "
+                                  "another TLS certificate", identity=peer.hex())
+                        return
+                    old.drop("a newer connection took over its identity {identity}",
+                             identity=peer.hex())
+                    if old.useful:
+                        self.markUseful()
+                router.connections.pop(self.peer, None)
+                router.connections[peer] = self
+                self.peer = peer
         if not self.useful:
             self._spoke()
-        self.router.receiver.messageReceived(self.peer, frames)
-
-    def _greet(self) -> None:
-        self.greeted = True
-        self._cancelTimer()
+        router.receiver.messageReceived(peer, frames)
 
     def _spoke(self) -> None:
         """A message from a peer not useful yet: the last to make room."""
         if not self.greeted:
-            self._greet()
+            self.greeted = True
+            self._cancelTimer()
         self._unrank()
         if not self.router.judged:
             self.useful = True
@@ -147,35 +165,6 @@ class _RouterConnection(FramedProtocol):
     def drop(self, why: str, **fields: Any) -> None:
         self._unrank()
         super().drop(why, **fields)
-
-    def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
-        channel, frames = item
-        router = self.router
-        peer = self.channels.get(channel)
-        if not frames:  # ended, or the end acknowledged
-            if peer is not None:
-                self._forgetChannel(channel)
-                router.receiver.peerDisconnected(peer)
-            else:
-                self.unacknowledged.discard(channel)
-            return
-        if peer is None:
-            if channel in self.unacknowledged:
-                return  # sent before the peer knew the channel was ended
-            full = router._fullOfChannels() if self.channels else None
-            if full is not None:
-                router.refused += 1
-                self._warn("channel", "stream peer {peer} opened a channel over the cap ({full}): "
-                           "ended it", full=full)
-                self._end(channel)
-                return
-            if not self.channels:
-                router.carriers += 1
-            peer = self.channels[channel] = self.peer + channel
-            router.channels[peer] = (self, channel)
-        if not self.useful:  # (a message, not an end, counts)
-            self._spoke()
-        router.receiver.messageReceived(peer, frames)
 
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
         peer = self.channels.pop(channel, None)
@@ -234,7 +223,8 @@ class _RouterConnection(FramedProtocol):
     def _received(self, data: bytes) -> None:
         super().dataReceived(data)
         if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            self._greet()  # its framing's handshake (SP's header)
+            self.greeted = True  # its framing's handshake (SP's header)
+            self._cancelTimer()
         if not self.greeted or self.closing:
             return
         decoder = self.decoder
@@ -412,7 +402,15 @@ class StreamRouter:
             budget = self.descriptorBudget()
             if victim is not None and (StreamRouter.makingRoom < MAX_MAKING_ROOM or budget is None
                                        or StreamRouter.accepted < budget):
-                self._makeRoom(victim, full, addr)
+                router, victim.makingRoom = victim.router, True  # (maybe another listener)
+                did = "nothing useful yet" if victim in router.spoken else "no message"
+                router.evicted += 1
+                StreamRouter.makingRoom += 1
+                victim.drop("making room for a new connection from {address} ({full}): it had "
+                            "sent {did}", address=str(addr), full=full, did=did)
+                if router.connections.get(victim.peer) is victim:  # counted no more at once
+                    del router.connections[victim.peer]
+                    router.receiver.peerDisconnected(victim.peer)
             else:
                 self.refused += 1
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
@@ -441,17 +439,6 @@ class StreamRouter:
         return (f"{StreamRouter.accepted} connections open in the process, all that its "
                 f"descriptor limit leaves room for (raise it: ulimit -n)",
                 _leastUseful([router.ranks for router in (self, *_routers - {self})], now))
-
-    def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
-        router, connection.makingRoom = connection.router, True
-        did = "nothing useful yet" if connection in router.spoken else "no message"
-        router.evicted += 1
-        StreamRouter.makingRoom += 1
-        connection.drop("making room for a new connection from {address} ({full}): it had sent "
-                        "{did}", address=str(addr), full=full, did=did)
-        if router.connections.get(connection.peer) is connection:  # counted no more at once
-            del router.connections[connection.peer]
-            router.receiver.peerDisconnected(connection.peer)
 
     def markUseful(self, peer: bytes, useful: bool = True) -> None:
         """*peer* does useful work (never closed to make room), or no longer does."""
