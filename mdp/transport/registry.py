@@ -1,6 +1,5 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`:
-a ``check`` and factories that listen or connect; a bad endpoint's error says what
-was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`;
+a bad endpoint's error says what was probably meant."""
 
 from __future__ import annotations
 
@@ -26,14 +25,10 @@ class Scheme:
     check: Callable[[str, str], None]
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
-    #: one line: what the scheme is and how its endpoints look
-    summary: str = ""
-    #: connect() can choose the identity the far side sees
-    identities: bool = False
-    #: a connection per peer, whose loss is reported (not ZeroMQ)
-    connections: bool = True
-    #: listen and connect take ``security=`` (a CurveServer, a CurveClient)
-    secure: bool = False
+    summary: str = ""  # one line: what it is, how its endpoints look
+    identities: bool = False  # connect() can choose the identity the far side sees
+    connections: bool = True  # a connection per peer, whose loss is reported
+    secure: bool = False  # listen and connect take ``security=`` (CURVE)
     #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``, or None
     channels: Optional[Callable[..., Any]] = None
 
@@ -42,7 +37,6 @@ _schemes: dict[str, Scheme] = {}
 
 
 def bad_endpoint(endpoint: object, why: str) -> TransportError:
-    """The error for a malformed *endpoint*, saying *why*."""
     return TransportError(f"bad endpoint {endpoint!r}: {why}")
 
 
@@ -54,7 +48,6 @@ def register(scheme: Scheme, *, replace: bool = False) -> None:
 
 
 def unregister(name: str) -> None:
-    """Forget the scheme *name*."""
     _schemes.pop(name, None)
 
 
@@ -103,11 +96,9 @@ def _tcp_hint(rest: str, role: str) -> str:
     return f"did you mean zmq:tcp://{zmqHost}:{zmqPort} (ZeroMQ) or {stream} (framed TCP)?"
 
 
-#: ``HOST:PORT`` with no scheme (host: a name, IPv4, ``*`` or ``[IPv6]``)
 _BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                            r":(?:\d+|\*)$")
 
-#: ZeroMQ's transports, which a ``zmq:`` endpoint names
 _ZMQ_TRANSPORTS = frozenset({"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "udp", "vmci"})
 
 
@@ -147,7 +138,6 @@ def _unknown_scheme(endpoint: str, name: str, role: str) -> str:
 
 
 def check(endpoint: object, role: str = CONNECT) -> None:
-    """Raise :class:`TransportError` unless *endpoint* can be used to *role*."""
     lookup(endpoint, role)
 
 

@@ -118,35 +118,46 @@ class _RoutedSocket:
         if self.connection.socket is None:
             return
         message = envelope(peer, frames)
+        backlog = None
         if self.backlogs or self.cut:
-            connection = message[0]
-            if connection in self.cut:
+            if message[0] in self.cut:
                 self.dropped += 1
                 return
-            backlog = self.backlogs.get(connection)
-            if backlog is not None:
-                self._hold(connection, backlog, message, held_bytes(frames))
+            backlog = self.backlogs.get(message[0])
+        if backlog is None:
+            try:
+                self.connection.send(message)
                 return
-        try:
-            self.connection.send(message)
-        except zmq.ZMQError as e:
-            if e.errno == errno.EAGAIN:
-                backlog = self.backlogs[message[0]] = _Backlog()
-                self._hold(message[0], backlog, message, held_bytes(frames))
-            else:
-                self._refused(peer, e)
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self._refused(peer, e)
+                    return
+            backlog = self.backlogs[message[0]] = _Backlog()
+        size = held_bytes(frames)
+        backlog.messages.append((message, size))
+        backlog.bytes += size
+        if backlog.bytes <= self.limits.maxOutputBytes:
+            if self._flushCall is None:
+                self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
+            return
+        connection = message[0]  # cut off
+        del self.backlogs[connection]
+        self.cut[connection] = None
+        if len(self.cut) > MAX_CUT_OFF:
+            del self.cut[next(iter(self.cut))]
+        self.overflows += 1
+        self.dropped += len(backlog.messages)
+        self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
+                           "slower than it is sent to ({held} bytes unsent, over the limit of "
+                           "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
+                           peer=connection.hex(), held=backlog.bytes,
+                           limit=self.limits.maxOutputBytes, count=self.overflows)
+        if not self.connects:
+            self.reactor.callLater(0, self._reportCut, connection)
 
     @property
     def backlogged(self) -> bool:
         return bool(self.backlogs)
-
-    def _hold(self, connection: bytes, backlog: _Backlog, message: list[Any], size: int) -> None:
-        backlog.messages.append((message, size))
-        backlog.bytes += size
-        if backlog.bytes > self.limits.maxOutputBytes:
-            self._cutOff(connection, backlog)
-        elif self._flushCall is None:
-            self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def _flush(self) -> None:
         """Send what waits (on the timer, and when libzmq signals)."""
@@ -172,21 +183,6 @@ class _RoutedSocket:
             del self.backlogs[connection]
         if self.backlogs:
             self._flushCall = self.reactor.callLater(self._pacer.next(progressed), self._flush)
-
-    def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
-        del self.backlogs[peer]
-        self.cut[peer] = None
-        if len(self.cut) > MAX_CUT_OFF:
-            del self.cut[next(iter(self.cut))]
-        self.overflows += 1
-        self.dropped += len(backlog.messages)
-        self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
-                           "slower than it is sent to ({held} bytes unsent, over the limit of "
-                           "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
-                           peer=peer.hex(), held=backlog.bytes, limit=self.limits.maxOutputBytes,
-                           count=self.overflows)
-        if not self.connects:
-            self.reactor.callLater(0, self._reportCut, peer)
 
     def _reportCut(self, peer: bytes) -> None:
         if peer in self.cut:
@@ -333,27 +329,22 @@ class ZmqRouter(_RoutedSocket):
                                    "peers' keys do", endpoint=self.endpoint, peer=peer.hex())
                 return
             if len(frames) > 1 and frames[0] not in relays and 0 < len(frames[0]) < 256:
-                peer = self._relayed(peer, bytes(frames[0]))
+                # a relay hop: past MAX_RELAYED, the least recently heard peer is gone
+                connection, peer = peer, relayed_peer(peer, bytes(frames[0]))
                 frames = frames[1:]
+                known = self.relayedOf.get(connection)
+                if known is None:
+                    known = self.relayedOf[connection] = OrderedDict()
+                    if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (ZeroMQ never says they went)
+                        del self.relayedOf[next(iter(self.relayedOf))]
+                if peer in known:
+                    known.move_to_end(peer)
+                else:
+                    known[peer] = None
+                    if len(known) > MAX_RELAYED:
+                        self.receiver.peerDisconnected(known.popitem(last=False)[0])
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
-
-    def _relayed(self, connection: bytes, hop: bytes) -> bytes:
-        """The key of the peer behind *hop* (past :data:`MAX_RELAYED`, the least
-        recently heard is gone)."""
-        peer = relayed_peer(connection, hop)
-        known = self.relayedOf.get(connection)
-        if known is None:
-            known = self.relayedOf[connection] = OrderedDict()
-            if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (connections ZeroMQ never says went)
-                del self.relayedOf[next(iter(self.relayedOf))]
-        if peer in known:
-            known.move_to_end(peer)
-        else:
-            known[peer] = None
-            if len(known) > MAX_RELAYED:
-                self.receiver.peerDisconnected(known.popitem(last=False)[0])
-        return peer
 
     sendMessage = _RoutedSocket._send
 

@@ -87,9 +87,7 @@ class ZmqChannel:
         self.closed = True
         self.held = []
         self.link.forget(self)
-        if self.alone is not None:
-            return self.alone.close()
-        return defer.succeed(None)
+        return self.alone.close() if self.alone is not None else defer.succeed(None)
 
 
 @implementer(IDealerChannels, IDealerReceiver)
@@ -97,10 +95,8 @@ class ZmqChannels:
     """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
     server answers the *probe*, DEALERs of their own where it does not."""
 
-    def __init__(self, endpoint: str, reactor: Any, probe: list[bytes],
-                 limits: Limits = Limits(),
-                 retryPolicy: Optional[Callable[[int], float]] = None,
-                 security: Any = None) -> None:
+    def __init__(self, endpoint: str, reactor: Any, probe: list[bytes], limits: Limits = Limits(),
+                 retryPolicy: Optional[Callable[[int], float]] = None, security: Any = None) -> None:
         self.endpoint = endpoint
         self.probe = probe
         self.reactor = reactor
@@ -163,13 +159,6 @@ class ZmqChannels:
         if self.relayed.get(pipe.hop) is pipe and self.up:
             pipe.receiver.connectionMade()
 
-    def _goAlone(self, pipe: ZmqChannel) -> None:
-        pipe.alone = self._dealer(pipe.receiver)
-        self.alone.add(pipe.alone)
-        held, pipe.held = pipe.held, []
-        for frames in held:
-            pipe.alone.sendMessage(frames)
-
     def _unanswered(self) -> None:
         """The waiting pipes go alone (a later answer relays those opened after)."""
         self._waitCall = None
@@ -180,7 +169,11 @@ class ZmqChannels:
         waiting, self.waiting = self.waiting, []
         for pipe in waiting:
             if not pipe.closed:
-                self._goAlone(pipe)
+                pipe.alone = self._dealer(pipe.receiver)
+                self.alone.add(pipe.alone)
+                held, pipe.held = pipe.held, []
+                for frames in held:
+                    pipe.sendMessage(frames)
 
     def forget(self, pipe: ZmqChannel) -> None:
         if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:
@@ -200,13 +193,18 @@ class ZmqChannels:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         hop = frames[0] if len(frames) > 1 else None
-        pipe = self.relayed.get(hop) if hop is not None else None
+        pipe = self.relayed.get(hop)
         if pipe is not None:
             pipe.receiver.messageReceived(frames[1:])
-        elif hop == PROBE_HOP:
-            self._answered()
-        else:
+        elif hop != PROBE_HOP:
             self.stale += 1
+        elif self.state is not RELAYING:  # the probe's answer
+            self.state = RELAYING
+            self._waitCall = cancel_call(self._waitCall)
+            waiting, self.waiting = self.waiting, []
+            for pipe in waiting:
+                if not pipe.closed:
+                    self._relay(pipe)
 
     def hopOversized(self, hop: bytes, count: int, size: int) -> bool:
         """A message over the limits came on *hop*: its pipe alone goes on as a
@@ -222,16 +220,6 @@ class ZmqChannels:
             del self.relayed[hop]
             self._relay(pipe)
             pipe.receiver.connectionLost(Failure(why))
-
-    def _answered(self) -> None:
-        if self.state is RELAYING:
-            return
-        self.state = RELAYING
-        self._waitCall = cancel_call(self._waitCall)
-        waiting, self.waiting = self.waiting, []
-        for pipe in waiting:
-            if not pipe.closed:
-                self._relay(pipe)
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the DEALER; fires once all are."""
