@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Optional
 
+import attrs
 from twisted.application.internet import ClientService
 from twisted.internet import defer
 from twisted.internet.endpoints import clientFromString
@@ -24,8 +25,8 @@ from mdp.transport.twisted_private import shortcut_reads
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: seconds a silent connection must stay up to count as made: one lost sooner
-#: (a listener at its cap closes at once) is a failed attempt, so the backoff grows
+#: seconds a silent connection must stay up to count as made (one lost sooner is
+#: a failed attempt, so the backoff grows)
 PROVEN_AFTER = 1.0
 
 
@@ -67,17 +68,6 @@ class _DealerConnection(FramedProtocol):
         self.drop("it sent no {framing} greeting within {seconds:g}s of connecting",
                   framing=self.framing.name, seconds=self.limits.handshakeTimeout)
 
-    def _greeted(self) -> None:
-        self._awaiting = cancel_call(self._awaiting)
-        early, self._early = self._early or [], None
-        if not INegotiated.providedBy(self.transport):
-            self.handshakeCompleted()
-        self.dealer._made(self)
-        for frames in early:
-            if self.closing or self.dealer.protocol is not self:
-                break
-            self.onMessage(frames)
-
     reading = False
     _flushCall: Any = None
 
@@ -94,9 +84,17 @@ class _DealerConnection(FramedProtocol):
         try:
             super().dataReceived(data)
             if self._awaiting is not None and not self.closing and self.decoder.handshaken:
-                self._greeted()
+                self._awaiting = cancel_call(self._awaiting)  # greeted
+                early, self._early = self._early or [], None
+                if not INegotiated.providedBy(self.transport):
+                    self.handshakeCompleted()
+                self.dealer._made(self)
+                for frames in early:
+                    if self.closing or self.dealer.protocol is not self:
+                        break
+                    self.onMessage(frames)
             if not self.proven and self.madeAt is not None and not self.closing:
-                self._prove()
+                self.proven, self.dealer._unproven = True, 0
         finally:
             self.reading = False
             if self._out:
@@ -111,17 +109,13 @@ class _DealerConnection(FramedProtocol):
         self._outBytes = 0
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
-            self._prove()
+            self.proven, self.dealer._unproven = True, 0
         if not self.proven and not self.closedHere:
             self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
     def handshakeCompleted(self) -> None:
         self.madeAt = self.dealer.reactor.seconds()
-
-    def _prove(self) -> None:
-        self.proven = True
-        self.dealer._unproven = 0
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -134,13 +128,13 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
 
 
+@attrs.define(repr=False)
 class _ReportingEndpoint:
     """A client endpoint that reports each failed attempt, shown as its string."""
 
-    def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
-        self.endpoint = endpoint
-        self.description = description
-        self.failed = failed
+    endpoint: Any
+    description: str
+    failed: Callable[[Any], None]
 
     def connect(self, factory: Any) -> defer.Deferred[Any]:
         def failed(failure: Any) -> Any:
@@ -165,10 +159,8 @@ def _connection(owner: Any, endpoint: str,
     policy = retryPolicy or RECONNECT.retryPolicy()
     service = ClientService(
         _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
-        factory,
-        retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
-        clock=owner.reactor,
-    )
+        factory, retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
+        clock=owner.reactor)
     service.startService()
     return service
 
@@ -218,9 +210,7 @@ class _OneConnection:
         return self.protocol is None or not self.protocol.paused
 
     def drained(self) -> defer.Deferred[None]:
-        if self.writable:
-            return defer.succeed(None)
-        return self._waiters.wait()
+        return defer.succeed(None) if self.writable else self._waiters.wait()
 
     def _resumed(self, proto: _DealerConnection) -> None:
         if proto is self.protocol:

@@ -214,27 +214,24 @@ class _RouterConnection(FramedProtocol):
         router = self.router
         router.reading += 1
         try:
-            self._received(data)
+            super().dataReceived(data)
+            decoder = self.decoder
+            if not self.greeted and not self.closing and getattr(decoder, "handshaken", False):
+                self.greeted = True  # its framing's handshake (SP's header)
+                self._cancelTimer()
+            if not self.greeted or self.closing:
+                return
+            if decoder.inRecord:
+                if self._timer is None or self._recordsAtArm != decoder.records:
+                    self._recordsAtArm = decoder.records
+                    self._arm(self.limits.recordTimeout, "a record of theirs stayed incomplete "
+                              "for {seconds:g}s ({held} bytes held)")
+            elif self._timer is not None:
+                self._cancelTimer()
         finally:
             router.reading -= 1
             if not router.reading and router.dirty:
                 router.flushWrites()
-
-    def _received(self, data: bytes) -> None:
-        super().dataReceived(data)
-        if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            self.greeted = True  # its framing's handshake (SP's header)
-            self._cancelTimer()
-        if not self.greeted or self.closing:
-            return
-        decoder = self.decoder
-        if decoder.inRecord:
-            if self._timer is None or self._recordsAtArm != decoder.records:
-                self._recordsAtArm = decoder.records
-                self._arm(self.limits.recordTimeout,
-                          "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)")
-        elif self._timer is not None:
-            self._cancelTimer()
 
     def _arm(self, seconds: float, why: str) -> None:
         self._cancelTimer()
@@ -248,8 +245,7 @@ class _RouterConnection(FramedProtocol):
         self._timer = cancel_call(self._timer)
 
     def send(self, frames: list[bytes], channel: Optional[bytes] = None) -> None:
-        """Send *frames* (on *channel*: empty ends it); held while the buffer
-        is full, within ``maxOutputBytes``."""
+        """Send *frames* (on *channel*; empty ends it), held within ``maxOutputBytes``."""
         if self.closing:
             return
         record = self.encode(frames)
@@ -333,11 +329,9 @@ class _Refused(Protocol):
 
 
 def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_RouterConnection]:
-    """Of the connections *ranks* hold (a router's or an address's: those not
-    greeted, and those that spoke, not useful), the one to close to admit a
-    newcomer: one that has sent no message for ``NEWCOMER_GRACE``, oldest
-    first; else (if its receiver judges) one not useful yet, least recently
-    heard first; else one that has sent no message yet."""
+    """The connection of *ranks* (not greeted, spoken but not useful) to close
+    for a newcomer: silent for ``NEWCOMER_GRACE``, oldest first; else not useful
+    yet, least recently heard first; else silent."""
     for rank in (0, 1, 2):
         for ungreeted, spoken in ranks:
             for connection in spoken if rank == 1 else ungreeted:
@@ -349,8 +343,7 @@ def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_Router
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
-    """The bound side: :meth:`listen` binds an endpoint string; :meth:`factory`
-    serves a port of one's own."""
+    """The bound side: :meth:`listen` binds an endpoint; :meth:`factory` serves a port."""
 
     accepted = 0
     makingRoom = 0
@@ -368,9 +361,7 @@ class StreamRouter:
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
         self.carriers = 0  # connections with an open channel
         self.closed = False
-        #: connections that have not yet sent a message, oldest first
-        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
-        #: connections that have, not yet useful, least recently heard first
+        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()  # oldest first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
         self.ranks = (self.ungreeted, self.spoken)
         self.hostRanks: dict[Optional[str], tuple[dict, dict]] = {}
@@ -475,7 +466,6 @@ class StreamRouter:
             self._checkBudget()
 
     def factory(self) -> Factory:
-        """An :class:`IProtocolFactory` whose connections this router serves."""
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
         factory.startFactory = self._factoryStarted  # type: ignore[method-assign]

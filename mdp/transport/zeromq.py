@@ -505,12 +505,11 @@ class ZmqDealer:
         frames, size, tracker = self.inFlight.track(frames)
         try:
             self.connection.send(frames)
+            self.inFlight.went(size, tracker)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as e:
-            if isinstance(e, zmq.Again):
-                return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
-            return True
-        self.inFlight.went(size, tracker)
         return True
 
     def _open(self) -> None:
@@ -534,8 +533,7 @@ class ZmqDealer:
                 connection.attached()
 
     def discardReceived(self) -> int:
-        connection = self.connection
-        return 0 if connection is None else connection.discardQueued()
+        return 0 if self.connection is None else self.connection.discardQueued()
 
     def oversized(self, head: Any, count: int, size: int) -> None:
         """Replace the socket after a message over the limits (``connectionLost``),
@@ -554,7 +552,7 @@ class ZmqDealer:
         if connection is not self.connection or connection is None:
             return
         why = self.core.oversized(size, count)
-        self._shutdown()
+        self.close()
         self._reopen()
         self.receiver.connectionLost(Failure(why))
 
@@ -583,7 +581,7 @@ class ZmqDealer:
         if self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
-    def _shutdown(self) -> None:
+    def close(self) -> defer.Deferred[None]:
         connection, self.connection = self.connection, None
         self.core.clear()
         self._retry = cancel_call(self._retry)
@@ -591,9 +589,6 @@ class ZmqDealer:
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
         return defer.succeed(None)
 
 
