@@ -58,14 +58,6 @@ def schemes() -> Iterator[Scheme]:
 _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
 
 
-def _split_host_port(rest: str) -> tuple[str, str]:
-    if rest.startswith("["):
-        host, _, tail = rest[1:].partition("]")
-        return host, tail[1:] if tail.startswith(":") else ""
-    host, colon, port = rest.rpartition(":")
-    return (host, port) if colon else (rest, "")
-
-
 def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
     kind, _, rest = endpoint.partition("://")
@@ -79,7 +71,13 @@ def _hint_for_url(endpoint: str, role: str) -> str:
 
 def _tcp_hint(rest: str, role: str) -> str:
     """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
-    host, port = _split_host_port(rest)
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port[1:] if port.startswith(":") else ""
+    else:
+        host, colon, port = rest.rpartition(":")
+        if not colon:
+            host, port = rest, ""
     port = port or "PORT"
     wildcard = host in ("*", "0.0.0.0", "")
     if role == CONNECT and wildcard:
@@ -120,21 +118,18 @@ def lookup(endpoint: object, role: str) -> Scheme:
     if not colon or not name:
         raise bad_endpoint(endpoint, "no scheme (zmq:, tcp:, unix:, loopback:, ...)")
     scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
+    if scheme is None and bare_address(endpoint) is not None:
+        raise bad_endpoint(endpoint, "an address with no scheme; "
+                           + _hint_for_url("tcp://" + endpoint, role))
+    if scheme is None and name in _ZMQ_TRANSPORTS:
+        raise bad_endpoint(endpoint, f"{name!r} is a ZeroMQ transport: name it after zmq:, as in "
+                           f"zmq:{name}://...")
     if scheme is None:
-        raise bad_endpoint(endpoint, _unknown_scheme(endpoint, name, role))
+        raise bad_endpoint(endpoint, f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})")
     if (scheme.listen if role == LISTEN else scheme.connect) is None:
         raise bad_endpoint(endpoint, f"{name}: endpoints cannot {role}")
     scheme.check(endpoint, role)
     return scheme
-
-
-def _unknown_scheme(endpoint: str, name: str, role: str) -> str:
-    """What is wrong with *endpoint*, whose scheme *name* is none we know."""
-    if bare_address(endpoint) is not None:
-        return "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role)
-    if name in _ZMQ_TRANSPORTS:
-        return f"{name!r} is a ZeroMQ transport: name it after zmq:, as in zmq:{name}://..."
-    return f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})"
 
 
 def check(endpoint: object, role: str = CONNECT) -> None:
