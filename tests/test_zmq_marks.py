@@ -71,7 +71,7 @@ def close(router: ZmqRouter, clock: Clock) -> None:
 
 def queued(router: ZmqRouter) -> int:
     backlog = router.backlogs.get(PEER)
-    return 0 if backlog is None else len(backlog.messages)
+    return 0 if backlog is None else len(backlog)
 
 
 def mark(router: ZmqRouter) -> int:

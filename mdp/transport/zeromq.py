@@ -59,7 +59,6 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-#: relayed peers one connection may have: past it, the least recently heard is gone
 MAX_RELAYED = 4096
 
 
@@ -76,14 +75,10 @@ def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[b
     return connection
 
 
-class _Backlog:
+class _Backlog(deque):  # type: ignore[type-arg]
     """A full pipe's messages, in order: each as sent, with its counted size."""
 
-    __slots__ = ("messages", "bytes")
-
-    def __init__(self) -> None:
-        self.messages: deque[tuple[list[Any], int]] = deque()
-        self.bytes = 0
+    bytes = 0
 
 
 class _RoutedSocket:
@@ -103,8 +98,7 @@ class _RoutedSocket:
         self.limits = limits
         self.throttle = LogThrottle(reactor)
         self.backlogs: dict[bytes, _Backlog] = {}
-        #: connections cut off, oldest first (a bounded, ordered set)
-        self.cut: dict[bytes, None] = {}
+        self.cut: dict[bytes, None] = {}  # connections cut off, oldest first
         #: the relayed peers heard from each connection, least recently first
         self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}
         self.dropped = 0
@@ -134,7 +128,7 @@ class _RoutedSocket:
                     return
             backlog = self.backlogs[message[0]] = _Backlog()
         size = held_bytes(frames)
-        backlog.messages.append((message, size))
+        backlog.append((message, size))
         backlog.bytes += size
         if backlog.bytes <= self.limits.maxOutputBytes:
             if self._flushCall is None:
@@ -146,7 +140,7 @@ class _RoutedSocket:
         if len(self.cut) > MAX_CUT_OFF:
             del self.cut[next(iter(self.cut))]
         self.overflows += 1
-        self.dropped += len(backlog.messages)
+        self.dropped += len(backlog)
         self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
                            "slower than it is sent to ({held} bytes unsent, over the limit of "
                            "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
@@ -165,21 +159,19 @@ class _RoutedSocket:
         if self.connection.socket is None:
             return
         send = self.connection.send
-        Again = zmq.Again
         progressed = False
         for connection, backlog in list(self.backlogs.items()):
-            messages = backlog.messages
             try:
-                while messages:
-                    send(messages[0][0])
-                    backlog.bytes -= messages.popleft()[1]
+                while backlog:
+                    send(backlog[0][0])
+                    backlog.bytes -= backlog.popleft()[1]
                     progressed = True
-            except Again:
+            except zmq.Again:
                 continue
             except zmq.ZMQError as e:
-                messages.popleft()
+                backlog.popleft()
                 self._refused(connection, e)
-                self.dropped += len(messages)
+                self.dropped += len(backlog)
             del self.backlogs[connection]
         if self.backlogs:
             self._flushCall = self.reactor.callLater(self._pacer.next(progressed), self._flush)
@@ -262,8 +254,7 @@ class ZmqRouter(_RoutedSocket):
         self._setup(endpoint, receiver, default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
-        # any first frame not one of these is a relay hop
-        relays = getattr(receiver, "relayHeaders", None)
+        relays = getattr(receiver, "relayHeaders", None)  # other first frames are relay hops
         self.relays = relays if isinstance(relays, frozenset) else None
         self.hostileIds = 0
         if self.deliversBuffers:
@@ -278,8 +269,7 @@ class ZmqRouter(_RoutedSocket):
             self._zapDomain = zap_domain(factory.context, curve, endpoint, self.reactor,
                                           factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
-            # without an allow-list any key gets in, and is nobody
-            self.connection.identify = curve.allow is not None
+            self.connection.identify = curve.allow is not None  # (else any key is nobody)
         try:
             self.connection.socket.bind(address)
         except zmq.ZMQError as e:

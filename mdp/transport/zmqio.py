@@ -203,9 +203,8 @@ def _connection_classes() -> tuple[type, type]:
                     socket = self.socket
                     if socket is None:
                         return
-                    # ZeroMQ signals its FD when a full pipe drains, too
                     owner = self.owner
-                    if owner is not None and owner.backlogged:
+                    if owner is not None and owner.backlogged:  # (a drained pipe signals too)
                         owner._flush()
                         if self.socket is None:
                             return
@@ -289,8 +288,7 @@ def _connection_classes() -> tuple[type, type]:
                 if more:
                     self.skipping = [head, count, size, more]
                     return 0
-                self.skipping = None
-                # (a ROUTER's head is the peer; a DEALER's, its first frame: a relay hop)
+                self.skipping = None  # (head: a ROUTER's peer, a DEALER's relay hop)
                 self.owner.oversized(head, count - self.envelope, size)
                 return budget
 
@@ -310,8 +308,7 @@ def _connection_classes() -> tuple[type, type]:
                 try:
                     send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend,
                          socket)
-                finally:
-                    # a send may have taken the edge-triggered signal of pending input
+                finally:  # (a send may have taken the signal of pending input)
                     if (not self.reading and self.read_scheduled is None
                             and self.socket is not None and events(self.handle) & POLLIN):
                         self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
