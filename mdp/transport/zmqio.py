@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from functools import partial
+from functools import cache, partial
 from typing import Any, Callable, Optional
 
 import zmq
@@ -28,32 +28,28 @@ ROUTER_HIGH_WATER_MARK = 64
 ROUTER_SEND_WATER_MARK = 128
 LINGER_MS = 200
 
-_factory: Any = None
-_classes: Optional[tuple[type, type]] = None
 
-
+@cache
 def zmq_factory() -> Any:
     """The process-wide txzmq factory, shut down with the reactor."""
-    global _factory
-    if _factory is None:
-        import txzmq
+    import txzmq
 
-        class Factory(txzmq.ZmqFactory):
-            """Runs ``beforeTerm`` callables before terminating the context."""
+    class Factory(txzmq.ZmqFactory):
+        """Runs ``beforeTerm`` callables before terminating the context."""
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.beforeTerm: set[Callable[[], None]] = set()
+        def __init__(self) -> None:
+            super().__init__()
+            self.beforeTerm: set[Callable[[], None]] = set()
 
-            def shutdown(self) -> None:
-                for callback in list(self.beforeTerm):
-                    callback()
-                super().shutdown()
+        def shutdown(self) -> None:
+            for callback in list(self.beforeTerm):
+                callback()
+            super().shutdown()
 
-        _factory = Factory()
-        _factory.lingerPeriod = LINGER_MS
-        _factory.registerForShutdown()
-    return _factory
+    factory = Factory()
+    factory.lingerPeriod = LINGER_MS
+    factory.registerForShutdown()
+    return factory
 
 
 #: Messages handled per doRead before yielding to the reactor.
@@ -70,24 +66,18 @@ ZERO_COPY_BYTES = 1 << 20
 KEEP_FRAME_BYTES = 16 * 1024
 
 
-_frames: Any = None
-
-
+@cache
 def zmq_frames() -> Any:
     """:mod:`mdp.transport._zmqframes` bound to pyzmq's libzmq, or None."""
-    global _frames
-    if _frames is None:
-        _frames = False
-        module: Any = _compiled.accelerator("mdp.transport._zmqframes")
-        if module is not None:
-            try:
-                backend = sys.modules[zmq.backend.Socket.__module__]
-                module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
-            except (ImportError, AttributeError, KeyError, TypeError) as e:
-                log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
-            else:
-                _frames = module
-    return _frames or None
+    module: Any = _compiled.accelerator("mdp.transport._zmqframes")
+    if module is not None:
+        try:
+            backend = sys.modules[zmq.backend.Socket.__module__]
+            module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
+        except (ImportError, AttributeError, KeyError, TypeError) as e:
+            log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
+            return None
+    return module
 
 
 def kept_frame_type() -> type:
@@ -166,172 +156,169 @@ def skip_pyzmq(socket: Any, budget: int) -> tuple[int, int, bool]:
     return count, size, more
 
 
+@cache
 def _connection_classes() -> tuple[type, type]:
-    global _classes
-    if _classes is None:
-        import txzmq
+    import txzmq
 
-        read, send, events, native = socket_calls()
-        Again = zmq.Again
-        skip = zmq_frames().skip if native else skip_pyzmq
+    read, send, events, native = socket_calls()
+    Again = zmq.Again
+    skip = zmq_frames().skip if native else skip_pyzmq
 
-        class FastIO:
-            """txzmq's read and send through :func:`socket_calls`: at most
-            READ_BATCH messages a turn (the FD is edge-triggered)."""
+    class FastIO:
+        """txzmq's read and send through :func:`socket_calls`: at most
+        READ_BATCH messages a turn (the FD is edge-triggered)."""
 
-            read_scheduled: Any
-            socket: Any
-            factory: Any
-            reading = False
-            needsLogContext = False
-            envelope = 0  # frames of routing id (1 on a ROUTER)
-            identify = False
-            maxBytes = Limits().maxMessageBytes
-            maxFrames = Limits().maxFrames
-            #: a message over the limits being read off: [first frame, frames, bytes, more]
-            skipping: Any = None
-            lastBatch = 0  # messages the last doRead delivered
-            owner: Any = None
-            keepAfter = 1 << 62  # frames past this many may be kept uncopied
-            handle: Any = 0  # what socket_calls take; 0 once closed
+        read_scheduled: Any
+        socket: Any
+        factory: Any
+        reading = False
+        needsLogContext = False
+        envelope = 0  # frames of routing id (1 on a ROUTER)
+        identify = False
+        maxBytes = Limits().maxMessageBytes
+        maxFrames = Limits().maxFrames
+        #: a message over the limits being read off: [first frame, frames, bytes, more]
+        skipping: Any = None
+        lastBatch = 0  # messages the last doRead delivered
+        owner: Any = None
+        keepAfter = 1 << 62  # frames past this many may be kept uncopied
+        handle: Any = 0  # what socket_calls take; 0 once closed
 
-            def doRead(self) -> None:
-                """Read at most READ_BATCH messages; a failure ends the reading."""
-                try:
-                    if self.read_scheduled is not None:
-                        self.read_scheduled = cancel_call(self.read_scheduled)
-                    socket = self.socket
-                    if socket is None:
-                        return
-                    owner = self.owner
-                    if owner is not None and owner.backlogged:  # (a drained pipe signals too)
-                        owner._flush()
-                        if self.socket is None:
-                            return
-                    deliver = self.deliver
-                    handle = self.handle or self._handle(socket)
-                    reader, source = self._reader(socket, handle)
-                    keepAfter, envelope = self.keepAfter, self.envelope
-                    maxFrames, maxBytes = self.maxFrames + envelope, self.maxBytes
-                    budget = FRAMES_PER_TURN
-                    busy = self.lastBatch >= BUSY_BATCH
-                    delivered = 0
-                    self.reading = True
-                    try:
-                        for _ in range(READ_BATCH):
-                            if self.skipping is None:
-                                if not (busy and delivered) and not events(handle) & POLLIN:
-                                    return
-                                try:
-                                    frames = reader(source, NOBLOCK, keepAfter, KEEP_FRAME_BYTES,
-                                                    maxFrames, maxBytes, envelope)
-                                except Again:
-                                    return
-                                if frames.__class__ is list:
-                                    delivered += 1
-                                    try:
-                                        deliver(frames)
-                                    except Exception:
-                                        log.failure("zmq message handler failed")
-                                    if self.socket is None:
-                                        return
-                                    continue
-                                self.skipping = frames[1]
-                            budget = self._skip(socket, budget)
-                            if self.skipping is not None:
-                                break  # the rest next turn
-                    finally:
-                        self.reading = False
-                        self.lastBatch = delivered
-                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException:  # a handler's SystemExit too
-                    log.failure("reading from a ZeroMQ socket failed")
-                    self.connectionLost(Failure())
-
-            readNow = doRead
-
-            def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
-                """The read call and what it takes (only pyzmq's sees User-Id)."""
-                if self.identify:
-                    return partial(read_pyzmq, identified=self.owner.identified), socket
-                return read, handle
-
-            def discardQueued(self) -> int:
-                """Drop up to READ_BATCH waiting messages; how many."""
+        def doRead(self) -> None:
+            """Read at most READ_BATCH messages; a failure ends the reading."""
+            try:
+                if self.read_scheduled is not None:
+                    self.read_scheduled = cancel_call(self.read_scheduled)
                 socket = self.socket
-                dropped = 0
-                if socket is None or self.skipping is not None:
-                    return 0
+                if socket is None:
+                    return
+                owner = self.owner
+                if owner is not None and owner.backlogged:  # (a drained pipe signals too)
+                    owner._flush()
+                    if self.socket is None:
+                        return
+                deliver = self.deliver
                 handle = self.handle or self._handle(socket)
                 reader, source = self._reader(socket, handle)
-                for _ in range(READ_BATCH):
-                    if not events(handle) & POLLIN:
-                        break
-                    frames = reader(source, NOBLOCK, self.keepAfter, KEEP_FRAME_BYTES,
-                                    self.maxFrames + self.envelope, self.maxBytes, self.envelope)
-                    if frames.__class__ is not list:
-                        self.skipping = frames[1]
-                        if not self.reading and self.read_scheduled is None:
-                            self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                        break
-                    dropped += 1
-                return dropped
+                keepAfter, envelope = self.keepAfter, self.envelope
+                maxFrames, maxBytes = self.maxFrames + envelope, self.maxBytes
+                budget = FRAMES_PER_TURN
+                busy = self.lastBatch >= BUSY_BATCH
+                delivered = 0
+                self.reading = True
+                try:
+                    for _ in range(READ_BATCH):
+                        if self.skipping is None:
+                            if not (busy and delivered) and not events(handle) & POLLIN:
+                                return
+                            try:
+                                frames = reader(source, NOBLOCK, keepAfter, KEEP_FRAME_BYTES,
+                                                maxFrames, maxBytes, envelope)
+                            except Again:
+                                return
+                            if frames.__class__ is list:
+                                delivered += 1
+                                try:
+                                    deliver(frames)
+                                except Exception:
+                                    log.failure("zmq message handler failed")
+                                if self.socket is None:
+                                    return
+                                continue
+                            self.skipping = frames[1]
+                        budget = self._skip(socket, budget)
+                        if self.skipping is not None:
+                            break  # the rest next turn
+                finally:
+                    self.reading = False
+                    self.lastBatch = delivered
+                self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # a handler's SystemExit too
+                log.failure("reading from a ZeroMQ socket failed")
+                self.connectionLost(Failure())
 
-            def _skip(self, socket: Any, budget: int) -> int:
-                """Read off the message over the limits; the budget left."""
-                head, count, size, more = self.skipping
-                if more:
-                    frames, length, more = skip(self.handle or self._handle(socket), budget)
-                    count, size, budget = count + frames, size + length, budget - frames
-                if more:
-                    self.skipping = [head, count, size, more]
-                    return 0
-                self.skipping = None  # (head: a ROUTER's peer, a DEALER's relay hop)
-                self.owner.oversized(head, count - self.envelope, size)
-                return budget
+        readNow = doRead
 
-            def attached(self) -> None:
-                """Look for input a turn after a bind or connect."""
-                if self.read_scheduled is None and self.socket is not None:
+        def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
+            """The read call and what it takes (only pyzmq's sees User-Id)."""
+            if self.identify:
+                return partial(read_pyzmq, identified=self.owner.identified), socket
+            return read, handle
+
+        def discardQueued(self) -> int:
+            """Drop up to READ_BATCH waiting messages; how many."""
+            socket = self.socket
+            dropped = 0
+            if socket is None or self.skipping is not None:
+                return 0
+            handle = self.handle or self._handle(socket)
+            reader, source = self._reader(socket, handle)
+            for _ in range(READ_BATCH):
+                if not events(handle) & POLLIN:
+                    break
+                frames = reader(source, NOBLOCK, self.keepAfter, KEEP_FRAME_BYTES,
+                                self.maxFrames + self.envelope, self.maxBytes, self.envelope)
+                if frames.__class__ is not list:
+                    self.skipping = frames[1]
+                    if not self.reading and self.read_scheduled is None:
+                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+                    break
+                dropped += 1
+            return dropped
+
+        def _skip(self, socket: Any, budget: int) -> int:
+            """Read off the message over the limits; the budget left."""
+            head, count, size, more = self.skipping
+            if more:
+                frames, length, more = skip(self.handle or self._handle(socket), budget)
+                count, size, budget = count + frames, size + length, budget - frames
+            if more:
+                self.skipping = [head, count, size, more]
+                return 0
+            self.skipping = None  # (head: a ROUTER's peer, a DEALER's relay hop)
+            self.owner.oversized(head, count - self.envelope, size)
+            return budget
+
+        def attached(self) -> None:
+            """Look for input a turn after a bind or connect."""
+            if self.read_scheduled is None and self.socket is not None:
+                self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+
+        def _handle(self, socket: Any) -> Any:
+            if socket is None:
+                raise zmq.ZMQError(errno.ENOTSOCK)
+            self.handle = handle = socket_handle(socket, native)
+            return handle
+
+        def send(self, frames: list[bytes]) -> None:
+            socket = self.socket
+            try:
+                send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend, socket)
+            finally:  # (a send may have taken the signal of pending input)
+                if (not self.reading and self.read_scheduled is None
+                        and self.socket is not None and events(self.handle) & POLLIN):
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
-            def _handle(self, socket: Any) -> Any:
-                if socket is None:
-                    raise zmq.ZMQError(errno.ENOTSOCK)
-                self.handle = handle = socket_handle(socket, native)
-                return handle
+        def shutdown(self) -> None:
+            self.handle = 0
+            super().shutdown()  # type: ignore[misc]
 
-            def send(self, frames: list[bytes]) -> None:
-                socket = self.socket
-                try:
-                    send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend,
-                         socket)
-                finally:  # (a send may have taken the signal of pending input)
-                    if (not self.reading and self.read_scheduled is None
-                            and self.socket is not None and events(self.handle) & POLLIN):
-                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+    class Router(FastIO, txzmq.ZmqRouterConnection):
+        highWaterMark = ROUTER_HIGH_WATER_MARK
+        envelope = 1
 
-            def shutdown(self) -> None:
-                self.handle = 0
-                super().shutdown()  # type: ignore[misc]
+        def deliver(self, frames: list[bytes]) -> None:
+            self.owner.delivered(frames[0], frames[1:])
 
-        class Router(FastIO, txzmq.ZmqRouterConnection):
-            highWaterMark = ROUTER_HIGH_WATER_MARK
-            envelope = 1
+    class Dealer(FastIO, txzmq.ZmqDealerConnection):
+        highWaterMark = HIGH_WATER_MARK
 
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner.delivered(frames[0], frames[1:])
+        def deliver(self, frames: list[bytes]) -> None:
+            self.owner.receiver.messageReceived(frames)
 
-        class Dealer(FastIO, txzmq.ZmqDealerConnection):
-            highWaterMark = HIGH_WATER_MARK
-
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner.receiver.messageReceived(frames)
-
-        _classes = (Router, Dealer)
-    return _classes
+    return Router, Dealer
 
 
 class FlushPacer:
