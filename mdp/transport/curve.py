@@ -112,8 +112,7 @@ def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional
     return CurveServer.fromFiles(secretFile, allowDir)
 
 
-def curve_client(serverPublicFile: Optional[str],
-                 secretFile: Optional[str]) -> Optional[CurveClient]:
+def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str]) -> Optional[CurveClient]:
     """``curveServerPublic`` and ``curveSecret`` as a :class:`CurveClient`, or None."""
     if serverPublicFile is None:
         if secretFile is not None:

@@ -56,8 +56,7 @@ class _DealerConnection(FramedProtocol):
         if awaits:  # not the dealer's until the peer's greeting comes
             self._early = []
             self.onMessage = self._early.append
-            self._awaiting = self.dealer.reactor.callLater(
-                self.limits.handshakeTimeout, self._noGreeting)
+            self._awaiting = self.dealer.reactor.callLater(self.limits.handshakeTimeout, self._noGreeting)
             return
         self.dealer._made(self)
 
@@ -149,8 +148,7 @@ class _ReportingEndpoint:
     __repr__ = __str__
 
 
-def _connection(owner: Any, endpoint: str,
-                retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
+def _connection(owner: Any, endpoint: str, retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
     """A started :class:`ClientService` keeping *owner*'s connection (one lost
     unproven counts as a failed attempt)."""
     factory = Factory.forProtocol(lambda: None)
@@ -199,8 +197,7 @@ class _OneConnection:
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
                                 "{count} messages ({bytes} bytes) already wait for the connection",
-                                kind=self.kind, endpoint=self.endpoint, count=count,
-                                bytes=self.queuedBytes)
+                                kind=self.kind, endpoint=self.endpoint, count=count, bytes=self.queuedBytes)
             return None
         self.framing.encode(frames)
         return size

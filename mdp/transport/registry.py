@@ -119,8 +119,7 @@ def lookup(endpoint: object, role: str) -> Scheme:
         raise bad_endpoint(endpoint, "no scheme (zmq:, tcp:, unix:, loopback:, ...)")
     scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
     if scheme is None and bare_address(endpoint) is not None:
-        raise bad_endpoint(endpoint, "an address with no scheme; "
-                           + _hint_for_url("tcp://" + endpoint, role))
+        raise bad_endpoint(endpoint, "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role))
     if scheme is None and name in _ZMQ_TRANSPORTS:
         raise bad_endpoint(endpoint, f"{name!r} is a ZeroMQ transport: name it after zmq:, as in "
                            f"zmq:{name}://...")

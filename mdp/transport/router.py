@@ -130,8 +130,7 @@ class _RouterConnection(FramedProtocol):
                         self.drop("it announced identity {identity}, held by a connection with "
                                   "another TLS certificate", identity=peer.hex())
                         return
-                    old.drop("a newer connection took over its identity {identity}",
-                             identity=peer.hex())
+                    old.drop("a newer connection took over its identity {identity}", identity=peer.hex())
                     if old.useful:
                         self.markUseful()
                 router.connections.pop(self.peer, None)
@@ -178,8 +177,7 @@ class _RouterConnection(FramedProtocol):
         self.send([], channel)
         self.unacknowledged.add(channel)
         if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
-            self.drop("it did not acknowledge the end of {count} channels",
-                      count=len(self.unacknowledged))
+            self.drop("it did not acknowledge the end of {count} channels", count=len(self.unacknowledged))
 
     def endChannel(self, channel: bytes) -> None:
         peer = self._forgetChannel(channel)

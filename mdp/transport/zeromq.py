@@ -31,10 +31,7 @@ from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_dom
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.zmqio import (
-    HIGH_WATER_MARK,
-    KEEP_FRAME_BYTES,
     MAX_CUT_OFF,
-    ROUTER_HIGH_WATER_MARK,
     ROUTER_SEND_WATER_MARK,
     ZERO_COPY_BYTES,
     FlushPacer,
@@ -47,10 +44,8 @@ from mdp.transport.zmqio import (
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-__all__ = [
-    "HIGH_WATER_MARK", "KEEP_FRAME_BYTES", "ROUTER_HIGH_WATER_MARK", "ROUTER_SEND_WATER_MARK",
-    "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter", "kept_frame_type", "zmq_frames",
-]
+__all__ = ["ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
+           "kept_frame_type", "zmq_frames"]
 
 
 def _address(endpoint: str) -> str:
