@@ -343,8 +343,14 @@ def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_Router
 class StreamRouter:
     """The bound side: :meth:`listen` binds an endpoint; :meth:`factory` serves a port."""
 
-    accepted = 0
-    makingRoom = 0
+    accepted = makingRoom = 0  # (process-wide) connections open, and dropped to make room
+    carriers = 0  # connections with an open channel
+    overflows = refused = evicted = reading = 0
+    closed = _listening = False
+    wrapped = True  # its factory may be wrapped (TLS): refuse with _Refused
+    port: Optional[IListeningPort] = None
+    endpoint = ""
+    flushCall: Any = None
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
@@ -357,24 +363,13 @@ class StreamRouter:
         self.throttle = LogThrottle(self.reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
-        self.carriers = 0  # connections with an open channel
-        self.closed = False
         self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()  # oldest first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
         self.ranks = (self.ungreeted, self.spoken)
         self.hostRanks: dict[Optional[str], tuple[dict, dict]] = {}
         self.hosts: dict[Optional[str], int] = {}  # connections by IP address
-        self.port: Optional[IListeningPort] = None
-        self.endpoint = ""
-        self.overflows = 0
-        self.refused = 0
-        self.evicted = 0  # connections closed to admit a newcomer
-        self.reading = 0
         self.dirty: list[_RouterConnection] = []
-        self.flushCall: Any = None
         self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
-        self.wrapped = True
-        self._listening = False
         _routers.add(self)
 
     def flushWrites(self) -> None:

@@ -83,6 +83,8 @@ class _RoutedSocket:
     its relayed peers disconnected)."""
 
     connects = False
+    dropped = overflows = oversizedCount = 0
+    _flushCall: Any = None
 
     def _setup(self, endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                identity: Optional[bytes] = None) -> None:
@@ -96,10 +98,6 @@ class _RoutedSocket:
         self.cut: dict[bytes, None] = {}  # connections cut off, oldest first
         #: the relayed peers heard from each connection, least recently first
         self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}
-        self.dropped = 0
-        self.overflows = 0
-        self.oversizedCount = 0
-        self._flushCall: Any = None
         self._pacer = FlushPacer()
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
@@ -237,11 +235,13 @@ class ZmqRouter(_RoutedSocket):
     frames from there on of :data:`KEEP_FRAME_BYTES` or more uncopied."""
 
     acceptsBuffers = True
+    hostileIds = 0
+    _zapDomain: Optional[str] = None
+    _closing = False
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
-        self._zapDomain: Optional[str] = None
         address = _address(endpoint)
         _check_ipc_free(address, endpoint)
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
@@ -251,7 +251,6 @@ class ZmqRouter(_RoutedSocket):
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
         relays = getattr(receiver, "relayHeaders", None)  # other first frames are relay hops
         self.relays = relays if isinstance(relays, frozenset) else None
-        self.hostileIds = 0
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # handover, but not under CURVE: one key would take over another's peer id
@@ -274,7 +273,6 @@ class ZmqRouter(_RoutedSocket):
         self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
-        self._closing = False
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
         """The next message came from *peer* with the key *userId*: with another
@@ -424,6 +422,9 @@ class ZmqDealer:
     while refused messages wait or libzmq holds over ``maxOutputBytes``."""
 
     connected = True
+    connection: Any = None
+    _retry: Any = None
+    _reopening: Any = None
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), identity: Optional[bytes] = None,
@@ -432,7 +433,6 @@ class ZmqDealer:
         self.reactor = reactor
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
-        self._reopening: Any = None
         self.curve = curve
         if curve is not None and identity is None:
             identity = random_identity()  # (unguessable: see ZmqRouter.identified)
@@ -442,9 +442,7 @@ class ZmqDealer:
         self.receiver = receiver
         self.limits = limits
         self.throttle = LogThrottle(reactor)
-        self.connection: Any = None
         self._waiters = DrainWaiters()
-        self._retry: Any = None
         self._pacer = FlushPacer()
         self._open()
 

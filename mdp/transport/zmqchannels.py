@@ -41,12 +41,13 @@ class ZmqChannel:
     """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER, or
     (``alone``) a DEALER of its own; until the link knows which, it holds what is sent."""
 
+    hop: Optional[bytes] = None
+    alone: Optional[ZmqDealer] = None
+    closed = False
+
     def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
         self.link = link
         self.receiver = receiver
-        self.hop: Optional[bytes] = None
-        self.alone: Optional[ZmqDealer] = None
-        self.closed = False
         self.held: list[list[bytes]] = []
 
     @property
@@ -95,6 +96,12 @@ class ZmqChannels:
     """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
     server answers the *probe*, DEALERs of their own where it does not."""
 
+    state = ALONE
+    up = closed = False
+    stale = _next = 0  # messages for hops no pipe has; the last hop
+    _waitCall: Any = None
+    dealer: Any = None  # of the relay hops, once a second pipe is open
+
     def __init__(self, endpoint: str, reactor: Any, probe: list[bytes], limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None, security: Any = None) -> None:
         self.endpoint = endpoint
@@ -104,16 +111,9 @@ class ZmqChannels:
         self.retryPolicy = retryPolicy
         self.security = security
         self.throttle = LogThrottle(reactor)
-        self.state = ALONE
         self.relayed: dict[bytes, ZmqChannel] = {}
         self.waiting: list[ZmqChannel] = []
         self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
-        self.up = False
-        self.closed = False
-        self.stale = 0  # messages for hops no pipe has
-        self._next = 0
-        self._waitCall: Any = None
-        self.dealer: Any = None
 
     def _dealer(self, receiver: Any) -> ZmqDealer:
         return ZmqDealer(self.endpoint, receiver, self.reactor, limits=self.limits,
