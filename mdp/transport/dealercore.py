@@ -19,8 +19,7 @@ class DealerCore:
     def __init__(self, limits: Limits, delay: Callable[[int], float], bounded: bool = True) -> None:
         self.limits = limits
         self.bounded = bounded
-        #: failures in a row -> seconds before the next try for a socket
-        self.delay = delay
+        self.delay = delay  # failures in a row -> seconds before the next try
         self.backlog: deque[list[bytes]] = deque()
         self.backlogBytes = 0
         self.failures = 0

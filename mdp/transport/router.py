@@ -39,15 +39,12 @@ _ids = itertools.count(1)
 
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
-#: connections dropped to make room and not closed yet, past which newcomers
-#: are refused at the descriptor budget
+#: connections making room, past which newcomers are refused at the descriptor budget
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
 
-#: channels ended here and not acknowledged before the connection is dropped
-MAX_UNACKNOWLEDGED = 64
+MAX_UNACKNOWLEDGED = 64  # channels ended here and not acknowledged, before it is dropped
 
-#: seconds before a silent new connection makes room ahead of one that spoke
-NEWCOMER_GRACE = 1.0
+NEWCOMER_GRACE = 1.0  # seconds before a silent new connection makes room before one that spoke
 
 
 @implementer(IPushProducer)

@@ -96,8 +96,7 @@ class _RoutedSocket:
         self.throttle = LogThrottle(reactor)
         self.backlogs: dict[bytes, _Backlog] = {}
         self.cut: dict[bytes, None] = {}  # connections cut off, oldest first
-        #: the relayed peers heard from each connection, least recently first
-        self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}
+        self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}  # by connection
         self._pacer = FlushPacer()
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 

@@ -25,12 +25,9 @@ from mdp.transport.zeromq import ZmqDealer
 
 log = Logger(namespace=__name__)
 
-#: the probe's hop; pipes' hops count up from 1
-PROBE_HOP = b"\x00\x00\x00\x00"
-#: seconds a pipe opened while the probe is out waits for its answer
-PROBE_WAIT = 0.5
-#: messages a waiting pipe holds until it is up or goes alone
-MAX_HELD = 1000
+PROBE_HOP = b"\x00\x00\x00\x00"  # the probe's hop; pipes' hops count up from 1
+PROBE_WAIT = 0.5  # seconds a pipe opened while the probe is out waits for its answer
+MAX_HELD = 1000  # messages a waiting pipe holds until it is up or goes alone
 
 #: a link's states: one pipe so far; probe out; probe unanswered; answered
 ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relaying"

@@ -18,8 +18,7 @@ from mdp.policy import Limits, cancel_call
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: Messages libzmq queues per pipe on a DEALER: a burst of PARTIALs rarely waits.
-HIGH_WATER_MARK = 100_000
+HIGH_WATER_MARK = 100_000  # messages per pipe on a DEALER: a burst of PARTIALs rarely waits
 #: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and on
 #: a connecting ROUTER); small, as libzmq counts messages, not bytes.
 ROUTER_HIGH_WATER_MARK = 64
@@ -52,18 +51,12 @@ def zmq_factory() -> Any:
     return factory
 
 
-#: Messages handled per doRead before yielding to the reactor.
-READ_BATCH = 64
-#: After a doRead of this many messages, the next asks EVENTS only once.
-BUSY_BATCH = 8
-#: Peers a ROUTER remembers as cut off (messages for them are discarded).
-MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead.
-FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying.
-ZERO_COPY_BYTES = 1 << 20
-#: Frames at least this long may be kept uncopied (``keepFramesFrom``).
-KEEP_FRAME_BYTES = 16 * 1024
+READ_BATCH = 64  # messages per doRead before yielding to the reactor
+BUSY_BATCH = 8  # after a doRead of this many messages, the next asks EVENTS only once
+MAX_CUT_OFF = 10_000  # peers a ROUTER remembers as cut off
+FRAMES_PER_TURN = 10_000  # frames of a message over the limits read off per doRead
+ZERO_COPY_BYTES = 1 << 20  # frames at least this long are sent without copying
+KEEP_FRAME_BYTES = 16 * 1024  # frames at least this long may be kept uncopied
 
 
 @cache
@@ -90,8 +83,7 @@ def kept_frame_type() -> type:
 _recv, _pysend, _get = zmq.backend.Socket.recv, zmq.backend.Socket.send, zmq.backend.Socket.get
 NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
-#: :func:`read_pyzmq`'s answer for a message over the limits, as ``_zmqframes.read``'s
-OVER = 1
+OVER = 1  # read_pyzmq's answer for a message over the limits, as _zmqframes.read's
 
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
