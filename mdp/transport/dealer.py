@@ -149,8 +149,7 @@ class _ReportingEndpoint:
 
 
 def _connection(owner: Any, endpoint: str, retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping *owner*'s connection (one lost
-    unproven counts as a failed attempt)."""
+    """A started :class:`ClientService` keeping *owner*'s connection."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False

@@ -1,5 +1,4 @@
-"""What a connecting ZeroMQ DEALER decides, without its socket or a loop: the
-core of :class:`~mdp.transport.zeromq.ZmqDealer` and the blocking ``_ZmqPipe``."""
+"""What a ZeroMQ DEALER decides without its socket or a loop (ZmqDealer, the blocking _ZmqPipe)."""
 
 from __future__ import annotations
 

@@ -404,8 +404,7 @@ class StreamRouter:
         return proto
 
     def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
-        """Why a connection from *host* may not be added now (None: it may), and
-        the one to close to admit it (None: refuse it)."""
+        """Why a connection from *host* may not be added (None: it may), and whom to close for it."""
         perAddress = self.limits.maxConnectionsPerAddress
         now = self.reactor.seconds()
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:

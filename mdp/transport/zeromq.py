@@ -224,8 +224,7 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
             probe.connect(path)
     except OSError:
         return
-    raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on "
-                         f"{path})")
+    raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on {path})")
 
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
@@ -336,8 +335,7 @@ class ZmqRouter(_RoutedSocket):
     unbindTimeout = 2.0
 
     def close(self) -> defer.Deferred[None]:
-        """Close the socket; fires once the monitor says its address is free (at
-        most ``unbindTimeout`` later)."""
+        """Close the socket; fires once its address is free (``unbindTimeout`` at most)."""
         socket = self.connection.socket
         if socket is None or self._closing:
             return defer.succeed(None)

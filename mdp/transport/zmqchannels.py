@@ -44,12 +44,9 @@ class ZmqChannel:
 
     def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
         self.link = link
+        self.endpoint = link.endpoint
         self.receiver = receiver
         self.held: list[list[bytes]] = []
-
-    @property
-    def endpoint(self) -> str:
-        return self.link.endpoint
 
     @property
     def connected(self) -> bool:
@@ -90,8 +87,7 @@ class ZmqChannel:
 
 @implementer(IDealerChannels, IDealerReceiver)
 class ZmqChannels:
-    """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
-    server answers the *probe*, DEALERs of their own where it does not."""
+    """The pipes to one ZeroMQ endpoint: relay hops where the server answers the *probe*."""
 
     state = ALONE
     up = closed = False
@@ -204,8 +200,7 @@ class ZmqChannels:
                     self._relay(pipe)
 
     def hopOversized(self, hop: bytes, count: int, size: int) -> bool:
-        """A message over the limits came on *hop*: its pipe alone goes on as a
-        new hop and hears ``connectionLost``."""
+        """A message over the limits came on *hop*: only its pipe moves to a new hop."""
         pipe = self.relayed.get(hop)
         if pipe is not None:
             why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")

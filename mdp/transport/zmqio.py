@@ -157,8 +157,7 @@ def _connection_classes() -> tuple[type, type]:
     skip = zmq_frames().skip if native else skip_pyzmq
 
     class FastIO:
-        """txzmq's read and send through :func:`socket_calls`: at most
-        READ_BATCH messages a turn (the FD is edge-triggered)."""
+        """txzmq's read and send through :func:`socket_calls`, READ_BATCH messages a turn."""
 
         read_scheduled: Any
         socket: Any
