@@ -281,19 +281,17 @@ class StreamDealer(_OneConnection):
             return
         if proto._early is not None:  # its greeting never came: a failed attempt
             self._failed(reason.value if isinstance(reason, Failure) else reason)
-            return
-        self.receiver.connectionLost(reason)
+        else:
+            self.receiver.connectionLost(reason)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.protocol is not None:
             self.protocol.sendFrames(frames)
-            return
-        if self.service is None:
-            return
-        size = self._admit(frames, len(self.queue))
-        if size is not None:
-            self.queue.append(list(frames))
-            self.queuedBytes += size
+        elif self.service is not None:
+            size = self._admit(frames, len(self.queue))
+            if size is not None:
+                self.queue.append(list(frames))
+                self.queuedBytes += size
 
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()

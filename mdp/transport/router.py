@@ -532,6 +532,4 @@ class StreamRouter:
         self.connections.clear()
         self.ungreeted.clear()
         self.spoken.clear()
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return defer.succeed(None) if port is None else defer.maybeDeferred(port.stopListening)

@@ -194,15 +194,12 @@ class _RoutedSocket:
         self.throttle.warn(log, "refused", "zmq router {endpoint} dropped a message to {peer}: "
                            "{error}", endpoint=self.endpoint, peer=peer.hex(), error=error)
 
-    def _shutdown(self) -> None:
+    def close(self) -> defer.Deferred[None]:
         self._flushCall = cancel_call(self._flushCall)
         self.backlogs.clear()
         self.cut.clear()
         if self.connection.socket is not None:
             self.connection.shutdown()
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
         return defer.succeed(None)
 
 
@@ -342,7 +339,7 @@ class ZmqRouter(_RoutedSocket):
         self._closing = True
         self._forgetDomain()
         if not self._bound.startswith(("tcp://", "ipc://")):
-            self._shutdown()
+            _RoutedSocket.close(self)
             return defer.succeed(None)
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
@@ -354,7 +351,7 @@ class ZmqRouter(_RoutedSocket):
             zmq_factory().beforeTerm.discard(done)
             socket.disable_monitor()
             monitor.close(linger=0)
-            self._shutdown()
+            _RoutedSocket.close(self)
             closed.callback(None)
 
         zmq_factory().beforeTerm.add(done)  # (the context may end first)
@@ -548,17 +545,13 @@ class ZmqDealer:
             self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        if self.connection is None:
+        if self.connection is None or not self.core.backlog and self._trySend(frames):
             return
-        core = self.core
-        if not core.backlog and self._trySend(frames):
-            return
-        if not core.hold(frames):
+        if not self.core.hold(frames):
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
                                "bytes already wait for its pipe to drain", endpoint=self.endpoint,
-                               bytes=core.backlogBytes)
-            return
-        if self._retry is None:
+                               bytes=self.core.backlogBytes)
+        elif self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
     def close(self) -> defer.Deferred[None]:
