@@ -104,21 +104,17 @@ class CurveClient:
 
 def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional[CurveServer]:
     """``curveSecret`` and ``curveAllow`` as a :class:`CurveServer` (None without a secret)."""
-    if secretFile is None:
-        if allowDir is not None:
-            raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
-                             "the server's own key pair")
-        return None
-    return CurveServer.fromFiles(secretFile, allowDir)
+    if secretFile is None and allowDir is not None:
+        raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
+                         "the server's own key pair")
+    return None if secretFile is None else CurveServer.fromFiles(secretFile, allowDir)
 
 
 def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str]) -> Optional[CurveClient]:
     """``curveServerPublic`` and ``curveSecret`` as a :class:`CurveClient`, or None."""
-    if serverPublicFile is None:
-        if secretFile is not None:
-            raise ValueError("curveSecret needs curveServerPublic: the server's public key")
-        return None
-    return CurveClient.fromFiles(serverPublicFile, secretFile)
+    if serverPublicFile is None and secretFile is not None:
+        raise ValueError("curveSecret needs curveServerPublic: the server's public key")
+    return None if serverPublicFile is None else CurveClient.fromFiles(serverPublicFile, secretFile)
 
 
 class _Gate:

@@ -154,9 +154,7 @@ def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
     colon, ``key=value`` or positional."""
     args: list[str] = []
     kwargs: dict[str, str] = {}
-    if not rest:
-        return args, kwargs
-    for part in re.split(r"(?<!\\):", rest):
+    for part in re.split(r"(?<!\\):", rest) if rest else ():
         part = part.replace("\\:", ":")
         key, eq, value = part.partition("=")
         if eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):

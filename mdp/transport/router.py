@@ -36,14 +36,11 @@ from mdp.transport.twisted_private import call_soon
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
-
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
 #: connections making room, past which newcomers are refused at the descriptor budget
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
-
 MAX_UNACKNOWLEDGED = 64  # channels ended here and not acknowledged, before it is dropped
-
 NEWCOMER_GRACE = 1.0  # seconds before a silent new connection makes room before one that spoke
 
 
@@ -61,6 +58,8 @@ class _RouterConnection(FramedProtocol):
     makingRoom = False
     tlsSubject: Any = False
     _timer: Any = None
+    backlogBytes = 0
+    _recordsAtArm = -1
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -72,8 +71,6 @@ class _RouterConnection(FramedProtocol):
         self.peer = b"\x00" + next(_ids).to_bytes(4, "big")
         self.onMessage = self._deliver
         self.backlog: deque[bytes] = deque()
-        self.backlogBytes = 0
-        self._recordsAtArm = -1
         self.channels: dict[bytes, bytes] = {}
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self

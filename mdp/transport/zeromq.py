@@ -46,15 +46,13 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 __all__ = ["ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
            "kept_frame_type", "zmq_frames"]
+MAX_RELAYED = 4096  # relayed peers one connection may have
 
 
 def _address(endpoint: str) -> str:
     if not endpoint.startswith("zmq:"):
         raise TransportError(f"not a zmq endpoint: {endpoint!r}")
     return endpoint[len("zmq:"):]
-
-
-MAX_RELAYED = 4096
 
 
 def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
