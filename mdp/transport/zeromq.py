@@ -426,10 +426,9 @@ class ZmqDealer:
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
         self.curve = curve
-        if curve is not None and identity is None:
-            identity = random_identity()  # (unguessable: see ZmqRouter.identified)
         self.endpoint = endpoint
-        self.identity = identity
+        # under CURVE, unguessable (see ZmqRouter.identified)
+        self.identity = random_identity() if curve is not None and identity is None else identity
         self.address = _address(endpoint)
         self.receiver = receiver
         self.limits = limits
