@@ -16,10 +16,9 @@ CONNECT = "connect"
 
 @attrs.frozen
 class Scheme:
-    """One endpoint scheme.  ``check(endpoint, role)`` raises :class:`TransportError`
-    unless *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor,
-    limits) -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
-    reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
+    """One endpoint scheme: ``check(endpoint, role)`` raises :class:`TransportError` unless
+    *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred[
+    IRouterTransport]``, *connect* ``(…, retryPolicy, identity) -> IDealerTransport``, or None."""
 
     name: str
     check: Callable[[str, str], None]

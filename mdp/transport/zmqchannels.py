@@ -1,12 +1,10 @@
-"""Many pipes over one ZeroMQ DEALER: each pipe is a *relay hop*, a four-byte
-frame before its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed
-peers").
+"""Many pipes over one ZeroMQ DEALER, each a *relay hop*: a four-byte frame before
+its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").
 
 Only a server that relays answers a relayed message, so once a second pipe is
-open, a link sends its *probe* (any answer will do) on a relay hop.  A pipe
-opened while the probe is out waits up to :data:`PROBE_WAIT` seconds, then goes
-alone (a DEALER of its own, as a server without relays expects), as does every
-pipe until an answer comes."""
+open, a link sends its *probe* on a relay hop.  A pipe opened while the probe is
+out waits up to :data:`PROBE_WAIT` seconds, then goes alone (a DEALER of its
+own), as does every pipe until an answer comes."""
 
 from __future__ import annotations
 
