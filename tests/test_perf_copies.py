@@ -214,7 +214,7 @@ async def test_a_zmq_router_keeps_long_frames_only_for_a_receiver_that_asks() ->
     others as bytes; a receiver that does not ask gets bytes only.  A kept
     frame sent on arrives whole."""
     from mdp import transport
-    from mdp.transport.zeromq import KEEP_FRAME_BYTES, kept_frame_type
+    from mdp.transport.zmqio import KEEP_FRAME_BYTES, kept_frame_type
     from tests.test_transport_conformance import Dealer, Router, until
 
     class Keeper(Router):

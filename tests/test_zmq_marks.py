@@ -18,12 +18,8 @@ from typing import Any, Iterator
 import pytest
 from twisted.internet.task import Clock
 
-from mdp.transport.zeromq import (
-    ROUTER_HIGH_WATER_MARK,
-    ROUTER_SEND_WATER_MARK,
-    ZmqRouter,
-    zmq_factory,
-)
+from mdp.transport.zeromq import ZmqRouter, zmq_factory
+from mdp.transport.zmqio import ROUTER_HIGH_WATER_MARK, ROUTER_SEND_WATER_MARK
 from tests.test_transport_conformance import Router
 
 zmq = pytest.importorskip("zmq")
@@ -71,7 +67,7 @@ def close(router: ZmqRouter, clock: Clock) -> None:
 
 def queued(router: ZmqRouter) -> int:
     backlog = router.backlogs.get(PEER)
-    return 0 if backlog is None else len(backlog.messages)
+    return 0 if backlog is None else len(backlog)
 
 
 def mark(router: ZmqRouter) -> int:

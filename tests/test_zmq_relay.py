@@ -15,8 +15,8 @@ from twisted.internet import defer, threads
 
 from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.majordomo import codec
+from mdp.messages import RELAYED, envelope, is_relayed, relayed_peer, routing_id
 from mdp.transport import zmqchannels
-from mdp.transport.zeromq import RELAYED, envelope, is_relayed, relayed_peer, routing_id
 from tests.procs import Process, python, wait_until
 from tests.test_interop_majortomo import PEERS, bound_endpoint
 

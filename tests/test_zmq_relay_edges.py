@@ -15,10 +15,10 @@ from twisted.internet import defer, threads
 from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import ReplyTooLarge
 from mdp.majordomo import codec
+from mdp.messages import relayed_peer
 from mdp.policy import Limits
 from mdp.transport import zmqchannels
 from mdp.transport.curve import keygen
-from mdp.transport.zeromq import relayed_peer
 from tests.curve_router import Recorder, claim, curve_router
 from tests.procs import wait_until
 

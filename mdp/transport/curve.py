@@ -1,6 +1,5 @@
 """CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
-directory of ``mdp keygen`` public keys) checked by a ZAP handler; an accepted
-peer's identity is its public key in Z85."""
+directory of ``mdp keygen`` public keys) checked by a ZAP handler."""
 
 from __future__ import annotations
 
@@ -19,13 +18,11 @@ from mdp.policy import LogThrottle
 
 log = Logger()
 
-#: pyzmq's key file names, as ``mdp keygen`` writes them.
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
 
 def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
-    """The keys in certificate *path*, with errors that name the file."""
     import zmq.auth
 
     what = "secret key" if secret else "public key"
@@ -77,14 +74,12 @@ class CurveServer:
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.publicKey)
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
         socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-        # without a ZAP handler (stopped at shutdown), refuse
-        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # (no ZAP handler: refused)
 
 
 @attrs.frozen
 class CurveClient:
-    """The server's public key and the peer's own pair (made up if none is given,
-    which only a server without an allow-list lets in)."""
+    """The server's public key and the peer's own pair (made up if none is given)."""
 
     serverKey: bytes
     publicKey: bytes
@@ -109,22 +104,17 @@ class CurveClient:
 
 def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional[CurveServer]:
     """``curveSecret`` and ``curveAllow`` as a :class:`CurveServer` (None without a secret)."""
-    if secretFile is None:
-        if allowDir is not None:
-            raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
-                             "the server's own key pair")
-        return None
-    return CurveServer.fromFiles(secretFile, allowDir)
+    if secretFile is None and allowDir is not None:
+        raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
+                         "the server's own key pair")
+    return None if secretFile is None else CurveServer.fromFiles(secretFile, allowDir)
 
 
-def curve_client(serverPublicFile: Optional[str],
-                 secretFile: Optional[str]) -> Optional[CurveClient]:
+def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str]) -> Optional[CurveClient]:
     """``curveServerPublic`` and ``curveSecret`` as a :class:`CurveClient`, or None."""
-    if serverPublicFile is None:
-        if secretFile is not None:
-            raise ValueError("curveSecret needs curveServerPublic: the server's public key")
-        return None
-    return CurveClient.fromFiles(serverPublicFile, secretFile)
+    if serverPublicFile is None and secretFile is not None:
+        raise ValueError("curveSecret needs curveServerPublic: the server's public key")
+    return None if serverPublicFile is None else CurveClient.fromFiles(serverPublicFile, secretFile)
 
 
 class _Gate:
@@ -141,7 +131,6 @@ class _Gate:
     def callback(self, domain: str, key: bytes) -> bool:
         if self.allow is None or key in self.allow:
             return True
-        # in the ZAP thread: log and count in the reactor's
         self.reactor.callFromThread(self._refused, key.decode("ascii", "replace"))
         return False
 
@@ -152,9 +141,7 @@ class _Gate:
             self.refused()
 
 
-#: the gate of a server that closed: nobody
 _DENY_ALL = types.SimpleNamespace(callback=lambda domain, key: False)
-#: per ZeroMQ context (by id), its ZAP handler: pyzmq's ThreadAuthenticator
 _zaps: dict[int, Any] = {}
 _domains = itertools.count(1)
 _lock = threading.Lock()
@@ -163,8 +150,7 @@ _lock = threading.Lock()
 def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
                beforeTerm: Optional[set[Any]] = None, refused: Optional[Any] = None) -> str:
     """Register *server*'s allow-list as a new domain of *context*'s ZAP handler
-    (started the first time, stopped by a callable added to *beforeTerm*);
-    *refused()* is called in the reactor's thread for each key refused."""
+    (started the first time, stopped by *beforeTerm*); *refused()* counts refusals."""
     with _lock:
         zap = _zaps.get(id(context))
         if zap is None:
@@ -203,9 +189,15 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     ``ValueError`` (and no file left) if they exist or cannot be written."""
     import zmq.auth
 
-    paths = _key_paths(name, directory)
-    # the secret file is never readable by others, even for a moment
-    mask = os.umask(0o077)
+    if not name or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"a key name is a plain file name, not {name!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory")
+    paths = [os.path.join(directory, name + suffix) for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX)]
+    for path in paths:
+        if os.path.exists(path):
+            raise ValueError(f"{path} exists already; not overwritten")
+    mask = os.umask(0o077)  # the secret file is never readable by others
     try:
         public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(public, 0o644)
@@ -218,16 +210,3 @@ def keygen(name: str, directory: str = ".") -> tuple[str, str]:
     finally:
         os.umask(mask)
     return public, secret
-
-
-def _key_paths(name: str, directory: str) -> list[str]:
-    """The two files of key pair *name*; ``ValueError`` for a bad name or existing file."""
-    if not name or os.sep in name or (os.altsep and os.altsep in name):
-        raise ValueError(f"a key name is a plain file name, not {name!r}")
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory!r} is not a directory")
-    paths = [os.path.join(directory, name + suffix) for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX)]
-    for path in paths:
-        if os.path.exists(path):
-            raise ValueError(f"{path} exists already; not overwritten")
-    return paths

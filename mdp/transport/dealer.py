@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Optional
 
+import attrs
 from twisted.application.internet import ClientService
 from twisted.internet import defer
 from twisted.internet.endpoints import clientFromString
@@ -24,8 +25,8 @@ from mdp.transport.twisted_private import shortcut_reads
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: seconds a silent connection must stay up to count as made: one lost sooner
-#: (a listener at its cap closes at once) is a failed attempt, so the backoff grows
+#: seconds a silent connection must stay up to count as made (one lost sooner is
+#: a failed attempt, so the backoff grows)
 PROVEN_AFTER = 1.0
 
 
@@ -35,10 +36,8 @@ class _DealerConnection(FramedProtocol):
 
     dealer: StreamDealer
     paused = False
-    #: when it was made (over TLS, the handshake done); None: not yet
-    madeAt: Optional[float] = None
-    #: something came from the far side, or it stayed up :data:`PROVEN_AFTER`
-    proven = False
+    madeAt: Optional[float] = None  # (over TLS, once the handshake is done)
+    proven = False  # something came, or it stayed up PROVEN_AFTER
 
     #: (a framing with a greeting) its timer, and what came meanwhile
     _awaiting: Any = None
@@ -54,12 +53,10 @@ class _DealerConnection(FramedProtocol):
             self.handshakeCompleted()
         shortcut_reads(self)
         self.transport.registerProducer(self, True)
-        if awaits:
-            # not the dealer's until the peer's greeting shows it speaks the counterpart
+        if awaits:  # not the dealer's until the peer's greeting comes
             self._early = []
             self.onMessage = self._early.append
-            self._awaiting = self.dealer.reactor.callLater(
-                self.limits.handshakeTimeout, self._noGreeting)
+            self._awaiting = self.dealer.reactor.callLater(self.limits.handshakeTimeout, self._noGreeting)
             return
         self.dealer._made(self)
 
@@ -69,17 +66,6 @@ class _DealerConnection(FramedProtocol):
                                      f"{self.limits.handshakeTimeout:g}s of connecting")
         self.drop("it sent no {framing} greeting within {seconds:g}s of connecting",
                   framing=self.framing.name, seconds=self.limits.handshakeTimeout)
-
-    def _greeted(self) -> None:
-        self._awaiting = cancel_call(self._awaiting)
-        early, self._early = self._early or [], None
-        if not INegotiated.providedBy(self.transport):
-            self.handshakeCompleted()
-        self.dealer._made(self)
-        for frames in early:
-            if self.closing or self.dealer.protocol is not self:
-                break
-            self.onMessage(frames)
 
     reading = False
     _flushCall: Any = None
@@ -97,9 +83,17 @@ class _DealerConnection(FramedProtocol):
         try:
             super().dataReceived(data)
             if self._awaiting is not None and not self.closing and self.decoder.handshaken:
-                self._greeted()
+                self._awaiting = cancel_call(self._awaiting)  # greeted
+                early, self._early = self._early or [], None
+                if not INegotiated.providedBy(self.transport):
+                    self.handshakeCompleted()
+                self.dealer._made(self)
+                for frames in early:
+                    if self.closing or self.dealer.protocol is not self:
+                        break
+                    self.onMessage(frames)
             if not self.proven and self.madeAt is not None and not self.closing:
-                self._prove()
+                self.proven, self.dealer._unproven = True, 0
         finally:
             self.reading = False
             if self._out:
@@ -114,17 +108,13 @@ class _DealerConnection(FramedProtocol):
         self._outBytes = 0
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
-            self._prove()
+            self.proven, self.dealer._unproven = True, 0
         if not self.proven and not self.closedHere:
             self.dealer._unproven += 1
         self.dealer._lost(self, Failure(self.refusal) if self.refusal is not None else reason)
 
     def handshakeCompleted(self) -> None:
         self.madeAt = self.dealer.reactor.seconds()
-
-    def _prove(self) -> None:
-        self.proven = True
-        self.dealer._unproven = 0
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -137,13 +127,13 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
 
 
+@attrs.define(repr=False)
 class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, named by its string in logs."""
+    """A client endpoint that reports each failed attempt, shown as its string."""
 
-    def __init__(self, endpoint: Any, description: str, failed: Callable[[Any], None]) -> None:
-        self.endpoint = endpoint
-        self.description = description
-        self.failed = failed
+    endpoint: Any
+    description: str
+    failed: Callable[[Any], None]
 
     def connect(self, factory: Any) -> defer.Deferred[Any]:
         def failed(failure: Any) -> Any:
@@ -158,28 +148,23 @@ class _ReportingEndpoint:
     __repr__ = __str__
 
 
-def _connection(owner: Any, endpoint: str,
-                retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping *owner*'s connection; one lost
-    before it was proven counts as a failed attempt (``owner._unproven``)."""
+def _connection(owner: Any, endpoint: str, retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
+    """A started :class:`ClientService` keeping *owner*'s connection."""
     factory = Factory.forProtocol(lambda: None)
     factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
     factory.noisy = False
     policy = retryPolicy or RECONNECT.retryPolicy()
     service = ClientService(
         _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
-        factory,
-        retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
-        clock=owner.reactor,
-    )
+        factory, retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
+        clock=owner.reactor)
     service.startService()
     return service
 
 
 class _OneConnection:
-    """A connecting side's one connection (``protocol``, None while down) and
-    its flow control; what is sent meanwhile waits, within ``maxQueued``
-    messages and ``limits.maxOutputBytes``."""
+    """A connecting side's one connection (``protocol``, None while down) and its
+    flow control; what is sent meanwhile waits, within ``maxQueued`` and bytes."""
 
     maxQueued = 1000
     kind = "stream dealer"
@@ -206,14 +191,12 @@ class _OneConnection:
         return proto
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
-        """What *frames* cost held, or None (warned) past the bounds; raises
-        for a message that cannot be encoded."""
+        """What *frames* cost held, or None (warned) past the bounds."""
         size = held_bytes(frames)
         if count >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
             self._throttle.warn(log, "full", "{kind} to {endpoint} refused a message: "
                                 "{count} messages ({bytes} bytes) already wait for the connection",
-                                kind=self.kind, endpoint=self.endpoint, count=count,
-                                bytes=self.queuedBytes)
+                                kind=self.kind, endpoint=self.endpoint, count=count, bytes=self.queuedBytes)
             return None
         self.framing.encode(frames)
         return size
@@ -223,9 +206,7 @@ class _OneConnection:
         return self.protocol is None or not self.protocol.paused
 
     def drained(self) -> defer.Deferred[None]:
-        if self.writable:
-            return defer.succeed(None)
-        return self._waiters.wait()
+        return defer.succeed(None) if self.writable else self._waiters.wait()
 
     def _resumed(self, proto: _DealerConnection) -> None:
         if proto is self.protocol:
@@ -234,12 +215,11 @@ class _OneConnection:
     def _tellMade(self, receiver: IDealerReceiver, kind: Optional[str] = None) -> None:
         try:
             receiver.connectionMade()
-        except Exception:  # (raised, it would leave the connection half made)
+        except Exception:
             log.failure("{kind} to {endpoint}: its receiver's connectionMade failed",
                         kind=kind or self.kind, endpoint=self.endpoint)
 
     def _stop(self) -> defer.Deferred[None]:
-        """Stop the service and its connection (flushed first); fired once stopped."""
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
         self._waiters.fire()
@@ -261,8 +241,7 @@ class _OneConnection:
 
 @implementer(IDealerTransport)
 class StreamDealer(_OneConnection):
-    """The connecting side: one :class:`ClientService`-managed connection;
-    what is sent while it is down goes out after the next ``connectionMade``."""
+    """The connecting side: one :class:`ClientService`-managed connection."""
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
@@ -278,7 +257,6 @@ class StreamDealer(_OneConnection):
         return self.protocol is not None
 
     def discardReceived(self) -> int:
-        """Drop the records of the current read not delivered yet; how many."""
         return 0 if self.protocol is None else self.protocol.discardBatch()
 
     def _made(self, proto: _DealerConnection) -> None:
@@ -301,22 +279,19 @@ class StreamDealer(_OneConnection):
             self._waiters.fire()
         if self.service is None:
             return
-        if proto._early is not None:
-            # its greeting never came: a failed attempt
+        if proto._early is not None:  # its greeting never came: a failed attempt
             self._failed(reason.value if isinstance(reason, Failure) else reason)
-            return
-        self.receiver.connectionLost(reason)
+        else:
+            self.receiver.connectionLost(reason)
 
     def sendMessage(self, frames: list[bytes]) -> None:
         if self.protocol is not None:
             self.protocol.sendFrames(frames)
-            return
-        if self.service is None:
-            return
-        size = self._admit(frames, len(self.queue))
-        if size is not None:
-            self.queue.append(list(frames))
-            self.queuedBytes += size
+        elif self.service is not None:
+            size = self._admit(frames, len(self.queue))
+            if size is not None:
+                self.queue.append(list(frames))
+                self.queuedBytes += size
 
     def close(self) -> defer.Deferred[None]:
         self.queue.clear()

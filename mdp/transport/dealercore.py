@@ -1,5 +1,4 @@
-"""What a connecting ZeroMQ DEALER decides, without its socket or a loop: the
-core of :class:`~mdp.transport.zeromq.ZmqDealer` and the blocking ``_ZmqPipe``."""
+"""What a ZeroMQ DEALER decides without its socket or a loop (ZmqDealer, the blocking _ZmqPipe)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ class DealerCore:
     def __init__(self, limits: Limits, delay: Callable[[int], float], bounded: bool = True) -> None:
         self.limits = limits
         self.bounded = bounded
-        #: failures in a row -> seconds before the next try for a socket
-        self.delay = delay
+        self.delay = delay  # failures in a row -> seconds before the next try
         self.backlog: deque[list[bytes]] = deque()
         self.backlogBytes = 0
         self.failures = 0

@@ -1,6 +1,5 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`:
-a ``check`` and factories that listen or connect; a bad endpoint's error says what
-was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`;
+a bad endpoint's error says what was probably meant."""
 
 from __future__ import annotations
 
@@ -17,23 +16,18 @@ CONNECT = "connect"
 
 @attrs.frozen
 class Scheme:
-    """One endpoint scheme.  ``check(endpoint, role)`` raises :class:`TransportError`
-    unless *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor,
-    limits) -> Deferred[IRouterTransport]``; *connect* is ``(endpoint, receiver,
-    reactor, limits, retryPolicy, identity) -> IDealerTransport``; or None."""
+    """One endpoint scheme: ``check(endpoint, role)`` raises :class:`TransportError` unless
+    *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred[
+    IRouterTransport]``, *connect* ``(…, retryPolicy, identity) -> IDealerTransport``, or None."""
 
     name: str
     check: Callable[[str, str], None]
     listen: Optional[Callable[..., Any]] = None
     connect: Optional[Callable[..., Any]] = None
-    #: one line: what the scheme is and how its endpoints look
-    summary: str = ""
-    #: connect() can choose the identity the far side sees
-    identities: bool = False
-    #: a connection per peer, whose loss is reported (not ZeroMQ)
-    connections: bool = True
-    #: listen and connect take ``security=`` (a CurveServer, a CurveClient)
-    secure: bool = False
+    summary: str = ""  # one line: what it is, how its endpoints look
+    identities: bool = False  # connect() can choose the identity the far side sees
+    connections: bool = True  # a connection per peer, whose loss is reported
+    secure: bool = False  # listen and connect take ``security=`` (CURVE)
     #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``, or None
     channels: Optional[Callable[..., Any]] = None
 
@@ -42,7 +36,6 @@ _schemes: dict[str, Scheme] = {}
 
 
 def bad_endpoint(endpoint: object, why: str) -> TransportError:
-    """The error for a malformed *endpoint*, saying *why*."""
     return TransportError(f"bad endpoint {endpoint!r}: {why}")
 
 
@@ -54,7 +47,6 @@ def register(scheme: Scheme, *, replace: bool = False) -> None:
 
 
 def unregister(name: str) -> None:
-    """Forget the scheme *name*."""
     _schemes.pop(name, None)
 
 
@@ -63,14 +55,6 @@ def schemes() -> Iterator[Scheme]:
 
 
 _URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
-
-
-def _split_host_port(rest: str) -> tuple[str, str]:
-    if rest.startswith("["):
-        host, _, tail = rest[1:].partition("]")
-        return host, tail[1:] if tail.startswith(":") else ""
-    host, colon, port = rest.rpartition(":")
-    return (host, port) if colon else (rest, "")
 
 
 def _hint_for_url(endpoint: str, role: str) -> str:
@@ -86,7 +70,13 @@ def _hint_for_url(endpoint: str, role: str) -> str:
 
 def _tcp_hint(rest: str, role: str) -> str:
     """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
-    host, port = _split_host_port(rest)
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port[1:] if port.startswith(":") else ""
+    else:
+        host, colon, port = rest.rpartition(":")
+        if not colon:
+            host, port = rest, ""
     port = port or "PORT"
     wildcard = host in ("*", "0.0.0.0", "")
     if role == CONNECT and wildcard:
@@ -103,11 +93,9 @@ def _tcp_hint(rest: str, role: str) -> str:
     return f"did you mean zmq:tcp://{zmqHost}:{zmqPort} (ZeroMQ) or {stream} (framed TCP)?"
 
 
-#: ``HOST:PORT`` with no scheme (host: a name, IPv4, ``*`` or ``[IPv6]``)
 _BARE_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                            r":(?:\d+|\*)$")
 
-#: ZeroMQ's transports, which a ``zmq:`` endpoint names
 _ZMQ_TRANSPORTS = frozenset({"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "udp", "vmci"})
 
 
@@ -129,25 +117,20 @@ def lookup(endpoint: object, role: str) -> Scheme:
     if not colon or not name:
         raise bad_endpoint(endpoint, "no scheme (zmq:, tcp:, unix:, loopback:, ...)")
     scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
+    if scheme is None and bare_address(endpoint) is not None:
+        raise bad_endpoint(endpoint, "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role))
+    if scheme is None and name in _ZMQ_TRANSPORTS:
+        raise bad_endpoint(endpoint, f"{name!r} is a ZeroMQ transport: name it after zmq:, as in "
+                           f"zmq:{name}://...")
     if scheme is None:
-        raise bad_endpoint(endpoint, _unknown_scheme(endpoint, name, role))
+        raise bad_endpoint(endpoint, f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})")
     if (scheme.listen if role == LISTEN else scheme.connect) is None:
         raise bad_endpoint(endpoint, f"{name}: endpoints cannot {role}")
     scheme.check(endpoint, role)
     return scheme
 
 
-def _unknown_scheme(endpoint: str, name: str, role: str) -> str:
-    """What is wrong with *endpoint*, whose scheme *name* is none we know."""
-    if bare_address(endpoint) is not None:
-        return "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role)
-    if name in _ZMQ_TRANSPORTS:
-        return f"{name!r} is a ZeroMQ transport: name it after zmq:, as in zmq:{name}://..."
-    return f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})"
-
-
 def check(endpoint: object, role: str = CONNECT) -> None:
-    """Raise :class:`TransportError` unless *endpoint* can be used to *role*."""
     lookup(endpoint, role)
 
 
@@ -170,9 +153,7 @@ def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
     colon, ``key=value`` or positional."""
     args: list[str] = []
     kwargs: dict[str, str] = {}
-    if not rest:
-        return args, kwargs
-    for part in re.split(r"(?<!\\):", rest):
+    for part in re.split(r"(?<!\\):", rest) if rest else ():
         part = part.replace("\\:", ":")
         key, eq, value = part.partition("=")
         if eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):

@@ -1,8 +1,7 @@
 """The listening side of the stream transport (:class:`StreamRouter`).
 
 Each accepted connection (or channel of one) is a peer: an opaque id, or the
-identity its greeting announces.  :class:`~mdp.policy.Limits` bound the waits,
-the connections and what is unread; a full listener closes the connection that
+identity its greeting announces.  A full listener closes the connection that
 has done least to admit a newcomer (:func:`_leastUseful`; docs/transports.md)."""
 
 from __future__ import annotations
@@ -37,36 +36,30 @@ from mdp.transport.twisted_private import call_soon
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _ids = itertools.count(1)
-
-#: every listening side of the process (they share the descriptor budget)
 _routers: weakref.WeakSet[StreamRouter] = weakref.WeakSet()
 
-#: connections dropped to make room and not closed yet, past which newcomers
-#: are refused at the descriptor budget (a burst spends at most this of the reserve)
+#: connections making room, past which newcomers are refused at the descriptor budget
 MAX_MAKING_ROOM = DESCRIPTOR_RESERVE // 2
-
-#: channels ended here and not acknowledged before the connection is dropped
-MAX_UNACKNOWLEDGED = 64
-
-#: seconds before a silent new connection makes room ahead of one that spoke
-NEWCOMER_GRACE = 1.0
+MAX_UNACKNOWLEDGED = 64  # channels ended here and not acknowledged, before it is dropped
+NEWCOMER_GRACE = 1.0  # seconds before a silent new connection makes room before one that spoke
 
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
     """An accepted connection, push producer of its transport.  With channels,
-    each channel is a peer (the connection's id and the channel's), opened by
-    its first message and ended by an empty record from either side."""
+    each is a peer, opened by its first message and ended by an empty record."""
 
     router: StreamRouter
     peer: bytes
-    greeted = False  # its handshake is done (a message, or its framing's own)
+    greeted = False  # its handshake is done
     useful = False  # never closed to make room
-    host: Optional[str] = None  # its IP address
+    host: Optional[str] = None
     paused = False
     makingRoom = False
     tlsSubject: Any = False
     _timer: Any = None
+    backlogBytes = 0
+    _recordsAtArm = -1
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -78,10 +71,7 @@ class _RouterConnection(FramedProtocol):
         self.peer = b"\x00" + next(_ids).to_bytes(4, "big")
         self.onMessage = self._deliver
         self.backlog: deque[bytes] = deque()
-        self.backlogBytes = 0
-        self._recordsAtArm = -1
         self.channels: dict[bytes, bytes] = {}
-        #: channels this side ended, until the peer says it knows
         self.unacknowledged: set[bytes] = set()
         router.connections[self.peer] = self
         self.hostRanks = ranks = router.hostRanks.setdefault(self.host, ({}, {}))
@@ -92,50 +82,63 @@ class _RouterConnection(FramedProtocol):
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
     def subject(self) -> Optional[str]:
-        """Its TLS client certificate's subject, or None."""
         if self.tlsSubject is False:
             certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
             self.tlsSubject = subject(certificate) if certificate is not None else None
         return self.tlsSubject  # type: ignore[no-any-return]
 
-    def _rename(self, identity: bytes) -> None:
-        """The peer announced *identity*: an older connection with it is dropped."""
-        router = self.router
-        old = router.connections.get(identity)
-        if old is not None and old is not self:
-            if old.subject() != self.subject():
-                self.drop("it announced identity {identity}, held by a connection with another "
-                          "TLS certificate", identity=identity.hex())
-                return
-            old.drop("a newer connection took over its identity {identity}", identity=identity.hex())
-            if old.useful:  # (the receiver hears of no new peer: nothing marks it again)
-                self.markUseful()
-        router.connections.pop(self.peer, None)
-        self.peer = identity
-        router.connections[identity] = self
-
     def _deliver(self, frames: list[bytes]) -> None:
+        router = self.router
         if type(frames) is tuple:  # a (channel, frames) pair: it carries channels
-            self._deliverOn(frames)  # type: ignore[arg-type]
-            return
-        if self.decoder.identity is not None and self.decoder.identity != self.peer:
-            self._rename(self.decoder.identity)
-            if self.closing:
-                return  # refused the identity
+            channel, frames = frames
+            peer = self.channels.get(channel)
+            if not frames:  # ended, or the end acknowledged
+                if peer is not None:
+                    self._forgetChannel(channel)
+                    router.receiver.peerDisconnected(peer)
+                else:
+                    self.unacknowledged.discard(channel)
+                return
+            if peer is None:
+                if channel in self.unacknowledged:
+                    return  # sent before the peer knew the channel was ended
+                full = router._fullOfChannels() if self.channels else None
+                if full is not None:
+                    router.refused += 1
+                    self._warn("channel", "stream peer {peer} opened a channel over the cap "
+                               "({full}): ended it", full=full)
+                    self._end(channel)
+                    return
+                if not self.channels:
+                    router.carriers += 1
+                peer = self.channels[channel] = self.peer + channel
+                router.channels[peer] = (self, channel)
+        else:
+            peer = self.decoder.identity
+            if peer is None:
+                peer = self.peer
+            elif peer != self.peer:  # announced: an older holder is dropped
+                old = router.connections.get(peer)
+                if old is not None and old is not self:
+                    if old.subject() != self.subject():
+                        self.drop("it announced identity {identity}, held by a connection with "
+                                  "another TLS certificate", identity=peer.hex())
+                        return
+                    old.drop("a newer connection took over its identity {identity}", identity=peer.hex())
+                    if old.useful:
+                        self.markUseful()
+                router.connections.pop(self.peer, None)
+                router.connections[peer] = self
+                self.peer = peer
         if not self.useful:
             self._spoke()
-        self.router.receiver.messageReceived(self.peer, frames)
-
-    def _greet(self) -> None:
-        """Its handshake is done: no more handshake deadline."""
-        self.greeted = True
-        self._cancelTimer()
+        router.receiver.messageReceived(peer, frames)
 
     def _spoke(self) -> None:
-        """A message from a peer not useful yet: the last of those to make room
-        (useful now if its receiver does not judge)."""
+        """A message from a peer not useful yet: the last to make room."""
         if not self.greeted:
-            self._greet()
+            self.greeted = True
+            self._cancelTimer()
         self._unrank()
         if not self.router.judged:
             self.useful = True
@@ -145,7 +148,7 @@ class _RouterConnection(FramedProtocol):
     def markUseful(self, useful: bool = True) -> None:
         self.useful = useful
         self._unrank()
-        if not useful and not self.dropped:  # as if heard now
+        if not useful and not self.dropped:
             self.router.spoken[self] = self.hostRanks[1][self] = None
 
     def _unrank(self) -> None:
@@ -156,37 +159,7 @@ class _RouterConnection(FramedProtocol):
         self._unrank()
         super().drop(why, **fields)
 
-    def _deliverOn(self, item: tuple[bytes, list[bytes]]) -> None:
-        channel, frames = item
-        router = self.router
-        peer = self.channels.get(channel)
-        if not frames:  # the peer ended the channel, or knows that this side did
-            if peer is not None:
-                self._forgetChannel(channel)
-                router.receiver.peerDisconnected(peer)
-            else:
-                self.unacknowledged.discard(channel)
-            return
-        if peer is None:
-            if channel in self.unacknowledged:
-                return  # sent before the peer knew the channel was ended
-            full = router._fullOfChannels() if self.channels else None
-            if full is not None:
-                router.refused += 1
-                self._warn("channel", "stream peer {peer} opened a channel over the cap ({full}): "
-                           "ended it", full=full)
-                self._end(channel)
-                return
-            if not self.channels:
-                router.carriers += 1
-            peer = self.channels[channel] = self.peer + channel
-            router.channels[peer] = (self, channel)
-        if not self.useful:  # (a message, not an end, counts)
-            self._spoke()
-        router.receiver.messageReceived(peer, frames)
-
     def _forgetChannel(self, channel: bytes) -> Optional[bytes]:
-        """*channel* is no longer open: its peer id (None: it was not open)."""
         peer = self.channels.pop(channel, None)
         if peer is not None:
             self.router.channels.pop(peer, None)
@@ -195,15 +168,12 @@ class _RouterConnection(FramedProtocol):
         return peer
 
     def _end(self, channel: bytes) -> None:
-        """Tell the peer *channel* is ended; ignore it until acknowledged."""
-        self.sendOn(channel, [])
+        self.send([], channel)
         self.unacknowledged.add(channel)
         if len(self.unacknowledged) > MAX_UNACKNOWLEDGED:
-            self.drop("it did not acknowledge the end of {count} channels",
-                      count=len(self.unacknowledged))
+            self.drop("it did not acknowledge the end of {count} channels", count=len(self.unacknowledged))
 
     def endChannel(self, channel: bytes) -> None:
-        """End *channel*: its peer is reported disconnected next turn."""
         peer = self._forgetChannel(channel)
         if peer is None:
             return
@@ -214,8 +184,7 @@ class _RouterConnection(FramedProtocol):
     _turnCall: Any = None
 
     def _batchBegun(self) -> None:
-        if getattr(self.decoder, "channels", False):
-            # replies from many reads of the turn go out together at its end
+        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
             if self._turnCall is None:
                 self._turnCall = call_soon(self.router.reactor, self._flushTurn)
             return
@@ -230,36 +199,33 @@ class _RouterConnection(FramedProtocol):
 
     def _cancelTurn(self) -> None:
         call, self._turnCall = self._turnCall, None
-        if call is not None:  # (pending: it clears this when it runs)
+        if call is not None:
             call.cancel()
 
     def dataReceived(self, data: bytes) -> None:
         router = self.router
         router.reading += 1
         try:
-            self._received(data)
+            super().dataReceived(data)
+            decoder = self.decoder
+            if not self.greeted and not self.closing and getattr(decoder, "handshaken", False):
+                self.greeted = True  # its framing's handshake (SP's header)
+                self._cancelTimer()
+            if not self.greeted or self.closing:
+                return
+            if decoder.inRecord:
+                if self._timer is None or self._recordsAtArm != decoder.records:
+                    self._recordsAtArm = decoder.records
+                    self._arm(self.limits.recordTimeout, "a record of theirs stayed incomplete "
+                              "for {seconds:g}s ({held} bytes held)")
+            elif self._timer is not None:
+                self._cancelTimer()
         finally:
             router.reading -= 1
             if not router.reading and router.dirty:
                 router.flushWrites()
 
-    def _received(self, data: bytes) -> None:
-        super().dataReceived(data)
-        if not self.greeted and not self.closing and getattr(self.decoder, "handshaken", False):
-            self._greet()  # its framing's handshake (SP's header) makes it a peer, as in nng
-        if not self.greeted or self.closing:
-            return
-        decoder = self.decoder
-        if decoder.inRecord:
-            if self._timer is None or self._recordsAtArm != decoder.records:
-                self._recordsAtArm = decoder.records
-                self._arm(self.limits.recordTimeout,
-                          "a record of theirs stayed incomplete for {seconds:g}s ({held} bytes held)")
-        elif self._timer is not None:
-            self._cancelTimer()
-
     def _arm(self, seconds: float, why: str) -> None:
-        """Drop the connection for *why* in *seconds*, unless told otherwise."""
         self._cancelTimer()
         self._timer = self.router.reactor.callLater(seconds, self._timedOut, why, seconds)
 
@@ -270,27 +236,19 @@ class _RouterConnection(FramedProtocol):
     def _cancelTimer(self) -> None:
         self._timer = cancel_call(self._timer)
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes], channel: Optional[bytes] = None) -> None:
+        """Send *frames* (on *channel*; empty ends it), held within ``maxOutputBytes``."""
         if self.closing:
             return
         record = self.encode(frames)
-        if not self.paused and not self.backlog:
+        if self.paused or self.backlog:
+            self._hold(record if channel is None else channel + record)
+        elif channel is None:
             self._queue(record)
-            return
-        self._hold(record)
-
-    def sendOn(self, channel: bytes, frames: list[bytes]) -> None:
-        """Send *frames* on *channel* (empty: end it)."""
-        if self.closing:
-            return
-        record = self.encode(frames)
-        if not self.paused and not self.backlog:
+        else:
             self._queueOn(channel, record)
-            return
-        self._hold(channel + record)
 
     def _hold(self, record: bytes) -> None:
-        """Keep *record* while the buffer is full, within ``maxOutputBytes``."""
         self.backlog.append(record)
         self.backlogBytes += len(record)
         if self.backlogBytes > self.limits.maxOutputBytes:
@@ -315,8 +273,7 @@ class _RouterConnection(FramedProtocol):
         self.backlogBytes = 0
 
     def closeGracefully(self) -> None:
-        """Close once what is written is sent, or after ``recordTimeout`` at
-        the latest (a peer that does not read would keep its slot)."""
+        """Close once what is written is sent, or after ``recordTimeout``."""
         if self.dropped or self.closedHere:
             return
         self.flushWrites()
@@ -353,8 +310,7 @@ class _RouterConnection(FramedProtocol):
 
 
 class _Refused(Protocol):
-    """A connection refused at a cap, closed at once (a TLS wrapper would keep
-    a None protocol's socket open)."""
+    """A connection refused at a cap, closed at once (not None: TLS would keep it)."""
 
     def connectionMade(self) -> None:
         StreamRouter.accepted += 1
@@ -365,11 +321,9 @@ class _Refused(Protocol):
 
 
 def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_RouterConnection]:
-    """Of the connections *ranks* hold (a router's or an address's: those not
-    greeted, and those that spoke, not useful), the one to close to admit a
-    newcomer: one that has sent no message for ``NEWCOMER_GRACE``, oldest
-    first; else (if its receiver judges) one not useful yet, least recently
-    heard first; else one that has sent no message yet."""
+    """The connection of *ranks* (not greeted, spoken but not useful) to close
+    for a newcomer: silent for ``NEWCOMER_GRACE``, oldest first; else not useful
+    yet, least recently heard first; else silent."""
     for rank in (0, 1, 2):
         for ungreeted, spoken in ranks:
             for connection in spoken if rank == 1 else ungreeted:
@@ -381,17 +335,20 @@ def _leastUseful(ranks: list[tuple[dict, dict]], now: float) -> Optional[_Router
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class StreamRouter:
-    """The bound side: :meth:`listen` binds an endpoint string; :meth:`factory`
-    serves a port of one's own."""
+    """The bound side: :meth:`listen` binds an endpoint; :meth:`factory` serves a port."""
 
-    #: accepted connections open in the process, and those dropped to make room
-    accepted = 0
-    makingRoom = 0
+    accepted = makingRoom = 0  # (process-wide) connections open, and dropped to make room
+    carriers = 0  # connections with an open channel
+    overflows = refused = evicted = reading = 0
+    closed = _listening = False
+    wrapped = True  # its factory may be wrapped (TLS): refuse with _Refused
+    port: Optional[IListeningPort] = None
+    endpoint = ""
+    flushCall: Any = None
 
     def __init__(self, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), framing: IFraming = RECORDS) -> None:
         self.receiver = receiver
-        #: its receiver calls peers useful: others that spoke may make room
         self.judged = bool(getattr(receiver, "marksUseful", False))
         self.reactor = default_reactor(reactor)
         self.limits = limits
@@ -399,33 +356,14 @@ class StreamRouter:
         self.acceptsBuffers = getattr(framing, "acceptsBuffers", False)
         self.throttle = LogThrottle(self.reactor)
         self.connections: dict[bytes, _RouterConnection] = {}
-        #: peer id -> (connection, channel)
         self.channels: dict[bytes, tuple[_RouterConnection, bytes]] = {}
-        #: connections that carry at least one open channel
-        self.carriers = 0
-        self.closed = False
-        #: connections that have not yet sent a message, oldest first
-        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()
-        #: connections that have, not yet useful, least recently heard first
+        self.ungreeted: OrderedDict[_RouterConnection, None] = OrderedDict()  # oldest first
         self.spoken: OrderedDict[_RouterConnection, None] = OrderedDict()
         self.ranks = (self.ungreeted, self.spoken)
-        #: the same, of each IP address's connections
         self.hostRanks: dict[Optional[str], tuple[dict, dict]] = {}
         self.hosts: dict[Optional[str], int] = {}  # connections by IP address
-        self.port: Optional[IListeningPort] = None
-        self.endpoint = ""
-        self.overflows = 0
-        self.refused = 0
-        self.evicted = 0  # connections closed to admit a newcomer
-        #: input being handled (depth): what is sent meanwhile is flushed after
-        self.reading = 0
         self.dirty: list[_RouterConnection] = []
-        self.flushCall: Any = None
-        #: connections the process's descriptors leave room for (None: no cap)
         self.descriptorBudget: Callable[[], Optional[int]] = descriptor_budget
-        #: its factory may be wrapped (TLS): refuse with :class:`_Refused`
-        self.wrapped = True
-        self._listening = False
         _routers.add(self)
 
     def flushWrites(self) -> None:
@@ -442,7 +380,15 @@ class StreamRouter:
             budget = self.descriptorBudget()
             if victim is not None and (StreamRouter.makingRoom < MAX_MAKING_ROOM or budget is None
                                        or StreamRouter.accepted < budget):
-                self._makeRoom(victim, full, addr)
+                router, victim.makingRoom = victim.router, True  # (maybe another listener)
+                did = "nothing useful yet" if victim in router.spoken else "no message"
+                router.evicted += 1
+                StreamRouter.makingRoom += 1
+                victim.drop("making room for a new connection from {address} ({full}): it had "
+                            "sent {did}", address=str(addr), full=full, did=did)
+                if router.connections.get(victim.peer) is victim:  # counted no more at once
+                    del router.connections[victim.peer]
+                    router.receiver.peerDisconnected(victim.peer)
             else:
                 self.refused += 1
                 self.throttle.warn(log, "refused", "stream listener {endpoint} refused a connection "
@@ -455,9 +401,7 @@ class StreamRouter:
         return proto
 
     def _crowded(self, host: Optional[str]) -> tuple[Optional[str], Optional[_RouterConnection]]:
-        """Why a connection from *host* may not be added now (None: it may), and
-        the one to close to admit it (None: refuse it); at the process's cap, of
-        any listener."""
+        """Why a connection from *host* may not be added (None: it may), and whom to close for it."""
         perAddress = self.limits.maxConnectionsPerAddress
         now = self.reactor.seconds()
         if host is not None and perAddress and self.hosts.get(host, 0) >= perAddress:
@@ -473,19 +417,8 @@ class StreamRouter:
                 f"descriptor limit leaves room for (raise it: ulimit -n)",
                 _leastUseful([router.ranks for router in (self, *_routers - {self})], now))
 
-    def _makeRoom(self, connection: _RouterConnection, full: str, addr: object) -> None:
-        """Close *connection* to admit a newcomer from *addr*."""
-        router, connection.makingRoom = connection.router, True
-        did = "nothing useful yet" if connection in router.spoken else "no message"
-        router.evicted += 1
-        StreamRouter.makingRoom += 1
-        connection.drop("making room for a new connection from {address} ({full}): it had sent "
-                        "{did}", address=str(addr), full=full, did=did)
-        router._forget(connection)
-
     def markUseful(self, peer: bytes, useful: bool = True) -> None:
-        """*peer* does useful work, its receiver says: never closed to make room;
-        or (*useful* false) no longer does (a channel's connection stays useful)."""
+        """*peer* does useful work (never closed to make room), or no longer does."""
         connection = self._connectionOf(peer) if useful else self.connections.get(peer)
         if connection is not None:
             connection.markUseful(useful)
@@ -497,8 +430,7 @@ class StreamRouter:
             del self.hostRanks[host]
 
     def _fullOfChannels(self) -> Optional[str]:
-        """Why no connection or channel may be added now, or None (a first
-        channel takes its connection's place)."""
+        """Why no connection or channel may be added now, or None."""
         if len(self.connections) + len(self.channels) - self.carriers >= self.limits.maxConnections:
             return f"{self.limits.maxConnections} connections and channels open (maxConnections)"
         return None
@@ -508,7 +440,6 @@ class StreamRouter:
             self.receiver.peerDisconnected(peer)
 
     def _checkBudget(self) -> None:
-        """Warn when the descriptor limit, not maxConnections, is the cap."""
         budget = self.descriptorBudget()
         if budget is not None and budget < self.limits.maxConnections:
             log.warn("stream listener {endpoint}: the process's descriptor limit leaves room for "
@@ -520,14 +451,7 @@ class StreamRouter:
         if self.port is None and not self._listening:
             self._checkBudget()
 
-    def _forget(self, connection: _RouterConnection) -> None:
-        """Stop counting an aborted connection at once."""
-        if self.connections.get(connection.peer) is connection:
-            del self.connections[connection.peer]
-            self.receiver.peerDisconnected(connection.peer)
-
     def factory(self) -> Factory:
-        """An :class:`IProtocolFactory` whose connections this router serves."""
         factory = Factory.forProtocol(lambda: None)
         factory.buildProtocol = self.buildProtocol  # type: ignore[method-assign]
         factory.startFactory = self._factoryStarted  # type: ignore[method-assign]
@@ -564,12 +488,10 @@ class StreamRouter:
         return server.listen(factory).addCallbacks(listening, failed)
 
     def peerAddress(self, peer: bytes) -> Optional[str]:
-        """Twisted's address of *peer*'s connection, or None once it is gone."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.peerName()
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The subject of *peer*'s TLS client certificate, or None."""
         connection = self._connectionOf(peer)
         return None if connection is None else connection.subject()
 
@@ -580,19 +502,17 @@ class StreamRouter:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.send(frames)
-            return
-        channel = self.channels.get(peer)
-        if channel is not None:
-            channel[0].sendOn(channel[1], frames)
+        elif peer in self.channels:
+            connection, channel = self.channels[peer]
+            connection.send(frames, channel)
 
     def disconnectPeer(self, peer: bytes) -> None:
         connection = self.connections.get(peer)
         if connection is not None:
             connection.closeGracefully()
-            return
-        channel = self.channels.get(peer)
-        if channel is not None:
-            channel[0].endChannel(channel[1])
+        elif peer in self.channels:
+            connection, channel = self.channels[peer]
+            connection.endChannel(channel)
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
@@ -609,6 +529,4 @@ class StreamRouter:
         self.connections.clear()
         self.ungreeted.clear()
         self.spoken.clear()
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return defer.succeed(None) if port is None else defer.maybeDeferred(port.stopListening)

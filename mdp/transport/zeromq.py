@@ -24,18 +24,14 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.messages import RELAYED, envelope, is_relayed, relayed_peer, routing_id
+from mdp.messages import envelope, is_relayed, relayed_peer, routing_id
 from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.flow import DrainWaiters
 from mdp.transport.zmqio import (
-    HIGH_WATER_MARK,
-    KEEP_FRAME_BYTES,
-    LINGER_MS,
     MAX_CUT_OFF,
-    ROUTER_HIGH_WATER_MARK,
     ROUTER_SEND_WATER_MARK,
     ZERO_COPY_BYTES,
     FlushPacer,
@@ -48,12 +44,9 @@ from mdp.transport.zmqio import (
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-__all__ = [
-    "HIGH_WATER_MARK", "KEEP_FRAME_BYTES", "LINGER_MS", "ROUTER_HIGH_WATER_MARK",
-    "ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
-    "kept_frame_type", "random_identity", "zmq_factory", "zmq_frames", "_connection_classes",
-    "RELAYED", "envelope", "is_relayed", "relayed_peer", "routing_id",
-]
+__all__ = ["ROUTER_SEND_WATER_MARK", "ZERO_COPY_BYTES", "ZmqDealer", "ZmqPeerRouter", "ZmqRouter",
+           "kept_frame_type", "zmq_frames"]
+MAX_RELAYED = 4096  # relayed peers one connection may have
 
 
 def _address(endpoint: str) -> str:
@@ -62,16 +55,10 @@ def _address(endpoint: str) -> str:
     return endpoint[len("zmq:"):]
 
 
-#: relayed peers one connection may have: past it, the least recently heard is gone
-MAX_RELAYED = 4096
-
-
 def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[bytes],
                      bound: bool = False) -> Any:
-    """A txzmq connection of the :func:`_connection_classes` *kind* (0: ROUTER,
-    1: DEALER) for *owner*, limited.  Only a *bound* socket sets
-    ``ZMQ_MAXMSGSIZE``: on a connecting one libzmq never reconnects the pipe
-    after an oversized message."""
+    """A limited txzmq ROUTER (*kind* 0) or DEALER (1) for *owner*.  Only a *bound*
+    socket sets MAXMSGSIZE: libzmq never reconnects a connecting one's pipe after it."""
     connection = _connection_classes()[kind](zmq_factory(), identity=identity)
     connection.owner = owner
     connection.maxBytes = limits.maxMessageBytes
@@ -81,45 +68,33 @@ def _open_connection(owner: Any, kind: int, limits: Limits, identity: Optional[b
     return connection
 
 
-class _Backlog:
-    """Messages a ROUTER keeps for one connection whose pipe is full, in order:
-    each as sent (routing id and hop first) with its size as counted."""
+class _Backlog(deque):  # type: ignore[type-arg]
+    """A full pipe's messages, in order: each as sent, with its counted size."""
 
-    __slots__ = ("messages", "bytes")
-
-    def __init__(self) -> None:
-        self.messages: deque[tuple[list[Any], int]] = deque()
-        self.bytes = 0
+    bytes = 0
 
 
 class _RoutedSocket:
     """A bound or connecting ROUTER: a message for a connection whose pipe is
-    full waits in that connection's backlog (others are never held back).  Past
-    ``maxOutputBytes`` the connection is cut off: its messages are discarded
-    until it sends again, and a bound ROUTER reports ``peerDisconnected`` for
-    it and for each relayed peer behind it."""
+    full waits in its backlog; past ``maxOutputBytes`` the connection is cut off
+    (its messages discarded until it sends again; a bound ROUTER reports it and
+    its relayed peers disconnected)."""
 
     connects = False
+    dropped = overflows = oversizedCount = 0
+    _flushCall: Any = None
 
     def _setup(self, endpoint: str, receiver: Any, reactor: Any, limits: Limits,
                identity: Optional[bytes] = None) -> None:
-        """Open the socket (``connection``) with what both kinds set."""
         self.connection = _open_connection(self, 0, limits, identity, bound=not self.connects)
         self.endpoint = endpoint
         self.receiver = receiver
         self.reactor = reactor
         self.limits = limits
         self.throttle = LogThrottle(reactor)
-        #: by connection (routing id)
         self.backlogs: dict[bytes, _Backlog] = {}
-        #: connections cut off, oldest first (a bounded, ordered set)
-        self.cut: dict[bytes, None] = {}
-        #: the relayed peers heard from each connection, least recently first
-        self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}
-        self.dropped = 0
-        self.overflows = 0
-        self.oversizedCount = 0
-        self._flushCall: Any = None
+        self.cut: dict[bytes, None] = {}  # connections cut off, oldest first
+        self.relayedOf: dict[bytes, OrderedDict[bytes, None]] = {}  # by connection
         self._pacer = FlushPacer()
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
@@ -127,84 +102,75 @@ class _RoutedSocket:
         if self.connection.socket is None:
             return
         message = envelope(peer, frames)
+        backlog = None
         if self.backlogs or self.cut:
-            connection = message[0]
-            if connection in self.cut:
+            if message[0] in self.cut:
                 self.dropped += 1
                 return
-            backlog = self.backlogs.get(connection)
-            if backlog is not None:
-                self._hold(connection, backlog, message, held_bytes(frames))
+            backlog = self.backlogs.get(message[0])
+        if backlog is None:
+            try:
+                self.connection.send(message)
                 return
-        try:
-            self.connection.send(message)
-        except zmq.ZMQError as e:
-            if e.errno == errno.EAGAIN:
-                backlog = self.backlogs[message[0]] = _Backlog()
-                self._hold(message[0], backlog, message, held_bytes(frames))
-            else:
-                self._refused(peer, e)
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self._refused(peer, e)
+                    return
+            backlog = self.backlogs[message[0]] = _Backlog()
+        size = held_bytes(frames)
+        backlog.append((message, size))
+        backlog.bytes += size
+        if backlog.bytes <= self.limits.maxOutputBytes:
+            if self._flushCall is None:
+                self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
+            return
+        connection = message[0]  # cut off
+        del self.backlogs[connection]
+        self.cut[connection] = None
+        if len(self.cut) > MAX_CUT_OFF:
+            del self.cut[next(iter(self.cut))]
+        self.overflows += 1
+        self.dropped += len(backlog)
+        self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
+                           "slower than it is sent to ({held} bytes unsent, over the limit of "
+                           "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
+                           peer=connection.hex(), held=backlog.bytes,
+                           limit=self.limits.maxOutputBytes, count=self.overflows)
+        if not self.connects:
+            self.reactor.callLater(0, self._reportCut, connection)
 
     @property
     def backlogged(self) -> bool:
         return bool(self.backlogs)
 
-    def _hold(self, connection: bytes, backlog: _Backlog, message: list[Any], size: int) -> None:
-        backlog.messages.append((message, size))
-        backlog.bytes += size
-        if backlog.bytes > self.limits.maxOutputBytes:
-            self._cutOff(connection, backlog)
-        elif self._flushCall is None:
-            self._flushCall = self.reactor.callLater(self._pacer.next(True), self._flush)
-
     def _flush(self) -> None:
-        """Send what waits in the backlogs (on the timer, and when libzmq signals)."""
+        """Send what waits (on the timer, and when libzmq signals)."""
         self._flushCall = cancel_call(self._flushCall)
         if self.connection.socket is None:
             return
         send = self.connection.send
-        Again = zmq.Again
         progressed = False
         for connection, backlog in list(self.backlogs.items()):
-            messages = backlog.messages
             try:
-                while messages:
-                    send(messages[0][0])
-                    backlog.bytes -= messages.popleft()[1]
+                while backlog:
+                    send(backlog[0][0])
+                    backlog.bytes -= backlog.popleft()[1]
                     progressed = True
-            except Again:
+            except zmq.Again:
                 continue
             except zmq.ZMQError as e:
-                messages.popleft()
+                backlog.popleft()
                 self._refused(connection, e)
-                self.dropped += len(messages)
+                self.dropped += len(backlog)
             del self.backlogs[connection]
         if self.backlogs:
             self._flushCall = self.reactor.callLater(self._pacer.next(progressed), self._flush)
-
-    def _cutOff(self, peer: bytes, backlog: _Backlog) -> None:
-        """Cut off the connection *peer* (a routing id)."""
-        del self.backlogs[peer]
-        self.cut[peer] = None
-        if len(self.cut) > MAX_CUT_OFF:
-            del self.cut[next(iter(self.cut))]
-        self.overflows += 1
-        self.dropped += len(backlog.messages)
-        self.throttle.warn(log, "overflow", "zmq router {endpoint} cut off peer {peer}: it reads "
-                           "slower than it is sent to ({held} bytes unsent, over the limit of "
-                           "{limit}); {count} peers cut off so far", endpoint=self.endpoint,
-                           peer=peer.hex(), held=backlog.bytes, limit=self.limits.maxOutputBytes,
-                           count=self.overflows)
-        if not self.connects:
-            # a turn later: the receiver may be in the middle of sending
-            self.reactor.callLater(0, self._reportCut, peer)
 
     def _reportCut(self, peer: bytes) -> None:
         if peer in self.cut:
             self._gone(peer)
 
     def _gone(self, connection: bytes) -> None:
-        """Report the connection gone, and each relayed peer heard from it."""
         self.receiver.peerDisconnected(connection)
         for relayed in self.relayedOf.pop(connection, ()):
             self.receiver.peerDisconnected(relayed)
@@ -226,22 +192,18 @@ class _RoutedSocket:
         self.throttle.warn(log, "refused", "zmq router {endpoint} dropped a message to {peer}: "
                            "{error}", endpoint=self.endpoint, peer=peer.hex(), error=error)
 
-    def _shutdown(self) -> None:
+    def close(self) -> defer.Deferred[None]:
         self._flushCall = cancel_call(self._flushCall)
         self.backlogs.clear()
         self.cut.clear()
         if self.connection.socket is not None:
             self.connection.shutdown()
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
         return defer.succeed(None)
 
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
-    """:class:`TransportError` if the ``ipc://`` *address* is no socket or a process
-    listens on it (libzmq would unlink it and take the name over); a socket left
-    behind is libzmq's to replace, a taken abstract ``@name`` the kernel's to refuse."""
+    """Refuse an ``ipc://`` path that is no socket or that a process listens on
+    (libzmq would unlink it); a socket left behind is libzmq's to replace."""
     path = address[len("ipc://"):]
     if not address.startswith("ipc://") or path.startswith("@"):
         return
@@ -249,37 +211,30 @@ def _check_ipc_free(address: str, endpoint: str) -> None:
     import stat
 
     try:
-        mode = os.lstat(path).st_mode
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise TransportError(f"cannot bind {endpoint}: {path} exists and is not a socket; "
+                                 "left as it is")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            probe.connect(path)
     except OSError:
         return
-    if not stat.S_ISSOCK(mode):
-        raise TransportError(f"cannot bind {endpoint}: {path} exists and is not a socket; "
-                             "left as it is")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        return
-    finally:
-        probe.close()
-    raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on "
-                         f"{path})")
+    raise TransportError(f"cannot bind {endpoint}: address in use (a process listens on {path})")
 
 
 @implementer(IRouterTransport, IAuthenticatedRouter)
 class ZmqRouter(_RoutedSocket):
-    """A bound ZeroMQ ROUTER socket.  A receiver whose ``keepFramesFrom`` is an
-    index gets the frames from there on of :data:`KEEP_FRAME_BYTES` or more
-    uncopied (:func:`kept_frame_type`), which :meth:`sendMessage` takes back."""
+    """A bound ZeroMQ ROUTER.  A receiver whose ``keepFramesFrom`` is an index gets
+    frames from there on of :data:`KEEP_FRAME_BYTES` or more uncopied."""
 
     acceptsBuffers = True
+    hostileIds = 0
+    _zapDomain: Optional[str] = None
+    _closing = False
 
     def __init__(self, endpoint: str, receiver: IRouterReceiver, reactor: Any = None, *,
                  limits: Limits = Limits(), curve: Optional[CurveServer] = None) -> None:
-        #: the CURVE key each peer id spoke with last (most recent last)
         self._keys: OrderedDict[bytes, Optional[str]] = OrderedDict()
-        self._zapDomain: Optional[str] = None
         address = _address(endpoint)
         _check_ipc_free(address, endpoint)
         # with a fixed port, the endpoint is the identity (the Guide's Freelance model 3)
@@ -287,16 +242,13 @@ class ZmqRouter(_RoutedSocket):
         self._setup(endpoint, receiver, default_reactor(reactor), limits, identity)
         keepFrom = getattr(receiver, "keepFramesFrom", None)
         self.deliversBuffers = type(keepFrom) is int  # (not a catch-all stand-in's attribute)
-        # the first frames of the receiver's messages: any other first frame is a relay hop
-        relays = getattr(receiver, "relayHeaders", None)
+        relays = getattr(receiver, "relayHeaders", None)  # other first frames are relay hops
         self.relays = relays if isinstance(relays, frozenset) else None
-        self.hostileIds = 0
         if self.deliversBuffers:
             self.connection.keepAfter = keepFrom + self.connection.envelope
         # handover, but not under CURVE: one key would take over another's peer id
         self.connection.socket.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
-        if not address.startswith("inproc://"):
-            # before the bind (ROUTER_SEND_WATER_MARK); on inproc the reading end's half is not ours
+        if not address.startswith("inproc://"):  # (before the bind: ROUTER_SEND_WATER_MARK)
             self.connection.socket.set(zmq.SNDHWM, ROUTER_SEND_WATER_MARK)
         if curve is not None:
             factory = zmq_factory()
@@ -304,8 +256,7 @@ class ZmqRouter(_RoutedSocket):
             self._zapDomain = zap_domain(factory.context, curve, endpoint, self.reactor,
                                           factory.beforeTerm, self._handshakeRefused)
             curve.apply(self.connection.socket, self._zapDomain)
-            # without an allow-list any key gets in, and is nobody
-            self.connection.identify = curve.allow is not None
+            self.connection.identify = curve.allow is not None  # (else any key is nobody)
         try:
             self.connection.socket.bind(address)
         except zmq.ZMQError as e:
@@ -315,32 +266,26 @@ class ZmqRouter(_RoutedSocket):
         self.connection.attached()
         self._bound = self.connection.socket.get(zmq.LAST_ENDPOINT).decode()
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
-        self._closing = False
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
-        """The next message came from *peer* with the key *userId*.  A freed
-        peer id may be claimed by another connection: with another key it is
-        another peer, so the one that had it is reported gone first."""
+        """The next message came from *peer* with the key *userId*: with another
+        key than before, the peer that had the id is reported gone first."""
         keys = self._keys
-        if peer in keys:
-            known = keys.pop(peer)
-            keys[peer] = userId
-            if known != userId and not self._closing:
-                self.throttle.warn(log, "claimed", "peer id {peer} of {endpoint} now speaks with "
-                                   "another CURVE key: the peer that had it is gone",
-                                   peer=peer.hex(), endpoint=self.endpoint)
-                self._gone(peer)
-            return
+        known = keys.pop(peer, userId)
         keys[peer] = userId
-        if len(keys) > MAX_CUT_OFF * 10:
+        if known != userId and not self._closing:
+            self.throttle.warn(log, "claimed", "peer id {peer} of {endpoint} now speaks with "
+                               "another CURVE key: the peer that had it is gone",
+                               peer=peer.hex(), endpoint=self.endpoint)
+            self._gone(peer)
+        elif len(keys) > MAX_CUT_OFF * 10:
             keys.popitem(last=False)
 
     def _handshakeRefused(self) -> None:
         self.handshakesRefused += 1
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
-        """The CURVE public key (Z85) *peer*'s last message came with (a
-        relayed peer's: its connection's); None without CURVE and an allow-list."""
+        """The CURVE public key (Z85) of *peer*'s connection; None without an allow-list."""
         return self._keys.get(routing_id(peer))
 
     def _forgetDomain(self) -> None:
@@ -350,56 +295,49 @@ class ZmqRouter(_RoutedSocket):
 
     def delivered(self, peer: bytes, frames: list[bytes]) -> None:
         if self.cut:
-            self.cut.pop(peer, None)  # the connection speaks again: no longer cut off
+            self.cut.pop(peer, None)  # it speaks again
         relays = self.relays
         if relays is not None:
-            if is_relayed(peer):  # a routing id set to pass for a relayed peer
+            if is_relayed(peer):  # a routing id posing as a relayed peer
                 self.hostileIds += 1
                 self.throttle.warn(log, "hostile-id", "zmq router {endpoint} dropped a message "
                                    "from a peer whose routing id {peer} begins as only relayed "
                                    "peers' keys do", endpoint=self.endpoint, peer=peer.hex())
                 return
             if len(frames) > 1 and frames[0] not in relays and 0 < len(frames[0]) < 256:
-                peer = self._relayed(peer, bytes(frames[0]))
+                # a relay hop: past MAX_RELAYED, the least recently heard peer is gone
+                connection, peer = peer, relayed_peer(peer, bytes(frames[0]))
                 frames = frames[1:]
+                known = self.relayedOf.get(connection)
+                if known is None:
+                    known = self.relayedOf[connection] = OrderedDict()
+                    if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (ZeroMQ never says they went)
+                        del self.relayedOf[next(iter(self.relayedOf))]
+                if peer in known:
+                    known.move_to_end(peer)
+                else:
+                    known[peer] = None
+                    if len(known) > MAX_RELAYED:
+                        self.receiver.peerDisconnected(known.popitem(last=False)[0])
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
-
-    def _relayed(self, connection: bytes, hop: bytes) -> bytes:
-        """The key of the peer behind *hop*, heard from now; past
-        :data:`MAX_RELAYED` on one connection, the least recently heard is gone."""
-        peer = relayed_peer(connection, hop)
-        known = self.relayedOf.get(connection)
-        if known is None:
-            known = self.relayedOf[connection] = OrderedDict()
-            if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (connections ZeroMQ never says went)
-                del self.relayedOf[next(iter(self.relayedOf))]
-        if peer in known:
-            known.move_to_end(peer)
-        else:
-            known[peer] = None
-            if len(known) > MAX_RELAYED:
-                self.receiver.peerDisconnected(known.popitem(last=False)[0])
-        return peer
 
     sendMessage = _RoutedSocket._send
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
 
-    #: Longest wait in close() for libzmq to release a bound address.
     unbindTimeout = 2.0
 
     def close(self) -> defer.Deferred[None]:
-        """Close the socket; fires once its bound address is free again (the
-        monitor says when libzmq's thread releases it)."""
+        """Close the socket; fires once its address is free (``unbindTimeout`` at most)."""
         socket = self.connection.socket
         if socket is None or self._closing:
             return defer.succeed(None)
         self._closing = True
         self._forgetDomain()
         if not self._bound.startswith(("tcp://", "ipc://")):
-            self._shutdown()
+            _RoutedSocket.close(self)
             return defer.succeed(None)
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
@@ -411,11 +349,10 @@ class ZmqRouter(_RoutedSocket):
             zmq_factory().beforeTerm.discard(done)
             socket.disable_monitor()
             monitor.close(linger=0)
-            self._shutdown()
+            _RoutedSocket.close(self)
             closed.callback(None)
 
-        # the context may terminate before the monitor says the address is free
-        zmq_factory().beforeTerm.add(done)
+        zmq_factory().beforeTerm.add(done)  # (the context may end first)
 
         def poll() -> None:
             try:
@@ -437,16 +374,15 @@ class ZmqRouter(_RoutedSocket):
 
 
 class InFlight:
-    """What a DEALER has handed libzmq and libzmq may still hold, in bytes
-    (libzmq bounds a pipe in messages): every quarter *bound* one message goes
-    tracked, and once libzmq lets go of it, it has of those before it too."""
+    """The bytes a DEALER handed libzmq that it may still hold: every quarter
+    *bound*, one message goes tracked; once let go of, so are those before it."""
 
     __slots__ = ("bound", "sent", "released", "marked", "marks")
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
-        self.sent = self.released = self.marked = 0  # bytes handed over, let go of, at the last mark
-        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it), oldest first
+        self.sent = self.released = self.marked = 0
+        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it)
 
     def held(self) -> int:
         marks = self.marks
@@ -455,20 +391,17 @@ class InFlight:
         return self.sent - self.released
 
     def track(self, frames: list[Any]) -> tuple[list[Any], int, Any]:
-        """*frames* to send (the last one tracked where a quarter of the bound
-        went since the last mark), their size as :func:`~mdp.policy.held_bytes`
-        counts it, and the tracker or None."""
+        """*frames* to send (the last tracked if due), their size, and the tracker."""
         size = _OVERHEAD * len(frames)
         for frame in frames:
             size += len(frame)
         if self.sent + size - self.marked < self.bound >> 2:
             return frames, size, None
-        last = frames[-1]  # (any buffer: one untracked would never be let go of)
+        last = frames[-1]
         last = zmq.Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
         return [*frames[:-1], last], size, last.tracker
 
     def went(self, size: int, tracker: Any) -> None:
-        """The message :meth:`track` returned is libzmq's now."""
         self.sent += size
         if tracker is not None:
             self.marked = self.sent
@@ -477,36 +410,30 @@ class InFlight:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER, the Twisted shell of a
-    :class:`~mdp.transport.dealercore.DealerCore`.  ``writable`` is false while
-    messages refused at the high-water mark wait, or while libzmq holds more
-    than ``limits.maxOutputBytes`` unsent (:class:`InFlight`), until half that."""
+    """A connecting ZeroMQ DEALER around a :class:`DealerCore`: not ``writable``
+    while refused messages wait or libzmq holds over ``maxOutputBytes``."""
 
     connected = True
+    connection: Any = None
+    _retry: Any = None
+    _reopening: Any = None
 
     def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *,
                  limits: Limits = Limits(), identity: Optional[bytes] = None,
                  curve: Optional[CurveClient] = None,
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         self.reactor = reactor
-        # retry for a socket that could not be had (ZeroMQ reconnects one it has)
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
-        self._reopening: Any = None
         self.curve = curve
-        if curve is not None and identity is None:
-            # under CURVE a peer id must not be guessable (see ZmqRouter.identified)
-            identity = random_identity()
         self.endpoint = endpoint
-        #: the routing id the far side sees (None: one it makes up)
-        self.identity = identity
+        # under CURVE, unguessable (see ZmqRouter.identified)
+        self.identity = random_identity() if curve is not None and identity is None else identity
         self.address = _address(endpoint)
         self.receiver = receiver
         self.limits = limits
         self.throttle = LogThrottle(reactor)
-        self.connection: Any = None
         self._waiters = DrainWaiters()
-        self._retry: Any = None
         self._pacer = FlushPacer()
         self._open()
 
@@ -526,9 +453,8 @@ class ZmqDealer:
         return self._waiters.wait()
 
     def _flush(self) -> None:
-        """Send what waits in the backlog, then wake the waiters once libzmq
-        holds at most half the bound (libzmq tells nobody when it lets go of
-        a message: polled, backing off); at once without a socket."""
+        """Send what waits, then wake the waiters once libzmq holds at most half
+        the bound (polled, backing off: libzmq tells nobody)."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             self._waiters.fire()
@@ -549,16 +475,15 @@ class ZmqDealer:
         self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _trySend(self, frames: list[bytes]) -> bool:
-        """Send *frames* now; False on a full queue (other errors: logged, dropped)."""
+        """Send *frames* now; False on a full queue."""
         frames, size, tracker = self.inFlight.track(frames)
         try:
             self.connection.send(frames)
+            self.inFlight.went(size, tracker)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as e:
-            if isinstance(e, zmq.Again):
-                return False
             log.warn("zmq dealer to {endpoint} could not send: {error}", endpoint=self.endpoint, error=e)
-            return True
-        self.inFlight.went(size, tracker)
         return True
 
     def _open(self) -> None:
@@ -579,16 +504,14 @@ class ZmqDealer:
         if connection is self.connection:
             self.receiver.connectionMade()
             if connection.socket is not None:
-                connection.attached()  # nothing is delivered before connectionMade
+                connection.attached()
 
     def discardReceived(self) -> int:
-        connection = self.connection
-        return 0 if connection is None else connection.discardQueued()
+        return 0 if self.connection is None else self.connection.discardQueued()
 
     def oversized(self, head: Any, count: int, size: int) -> None:
-        """Drop a message over the limits with its socket, as stream transports
-        do (``connectionLost``); a fresh socket replaces it (for relay hops, the
-        pipe of the message's first frame alone: ``hopOversized``)."""
+        """Replace the socket after a message over the limits (``connectionLost``),
+        or only the relay hop's pipe (``hopOversized``)."""
         onHop = getattr(self.receiver, "hopOversized", None)
         if onHop is not None and head and onHop(bytes(head), count, size):
             return
@@ -603,12 +526,11 @@ class ZmqDealer:
         if connection is not self.connection or connection is None:
             return
         why = self.core.oversized(size, count)
-        self._shutdown()
+        self.close()
         self._reopen()
         self.receiver.connectionLost(Failure(why))
 
     def _reopen(self) -> None:
-        """Open a fresh socket, or try again after the core's delay."""
         self._reopening = None
         try:
             self._open()
@@ -620,20 +542,16 @@ class ZmqDealer:
             self._reopening = self.reactor.callLater(delay, self._reopen)
 
     def sendMessage(self, frames: list[bytes]) -> None:
-        if self.connection is None:
+        if self.connection is None or not self.core.backlog and self._trySend(frames):
             return
-        core = self.core
-        if not core.backlog and self._trySend(frames):
-            return
-        if not core.hold(frames):
+        if not self.core.hold(frames):
             self.throttle.warn(log, "full", "zmq dealer to {endpoint} refused a message: {bytes} "
                                "bytes already wait for its pipe to drain", endpoint=self.endpoint,
-                               bytes=core.backlogBytes)
-            return
-        if self._retry is None:
+                               bytes=self.core.backlogBytes)
+        elif self._retry is None:
             self._retry = self.reactor.callLater(self._pacer.next(True), self._flush)
 
-    def _shutdown(self) -> None:
+    def close(self) -> defer.Deferred[None]:
         connection, self.connection = self.connection, None
         self.core.clear()
         self._retry = cancel_call(self._retry)
@@ -641,15 +559,11 @@ class ZmqDealer:
         self._waiters.fire()
         if connection is not None and connection.socket is not None:
             connection.shutdown()
-
-    def close(self) -> defer.Deferred[None]:
-        self._shutdown()
         return defer.succeed(None)
 
 
 class ZmqPeerRouter(_RoutedSocket):
-    """A ROUTER socket that *connects* to servers, naming each by its endpoint
-    string (ZMQ_CONNECT_ROUTING_ID)."""
+    """A ROUTER that connects to servers, each named by its endpoint."""
 
     connects = True
 

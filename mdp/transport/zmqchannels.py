@@ -1,14 +1,10 @@
-"""Many pipes over one ZeroMQ DEALER: each pipe is a *relay hop*, a four-byte
-frame before its messages, the way a ROUTER-DEALER proxy in front of a server
-adds one (for MDP: docs/mdp.md, "Relayed peers").  What one wake-up brings for
-many pipes is one read, and what they send together one write.
+"""Many pipes over one ZeroMQ DEALER, each a *relay hop*: a four-byte frame before
+its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").
 
 Only a server that relays answers a relayed message, so once a second pipe is
-open at once, a link sends its *probe* (a request any answer to which will do)
-on a relay hop.  The first pipe never waits for the answer; one opened while
-the probe is out waits up to :data:`PROBE_WAIT` seconds, then goes alone, as
-does every pipe until an answer comes: a DEALER of its own, what a server
-without relays (majortomo's MDP broker, say) expects."""
+open, a link sends its *probe* on a relay hop.  A pipe opened while the probe is
+out waits up to :data:`PROBE_WAIT` seconds, then goes alone (a DEALER of its
+own), as does every pipe until an answer comes."""
 
 from __future__ import annotations
 
@@ -27,35 +23,28 @@ from mdp.transport.zeromq import ZmqDealer
 
 log = Logger(namespace=__name__)
 
-#: the probe's hop; pipes' hops count up from 1
-PROBE_HOP = b"\x00\x00\x00\x00"
-#: seconds a pipe opened while the probe is out waits for its answer
-PROBE_WAIT = 0.5
-#: messages a waiting pipe holds until it is up or goes alone
-MAX_HELD = 1000
+PROBE_HOP = b"\x00\x00\x00\x00"  # the probe's hop; pipes' hops count up from 1
+PROBE_WAIT = 0.5  # seconds a pipe opened while the probe is out waits for its answer
+MAX_HELD = 1000  # messages a waiting pipe holds until it is up or goes alone
 
-#: a link's states: one pipe at most so far; the probe is out; its wait is over,
-#: unanswered; answered
+#: a link's states: one pipe so far; probe out; probe unanswered; answered
 ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relaying"
 
 
 @implementer(IDealerTransport)
 class ZmqChannel:
-    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER,
-    or (``alone``) a DEALER of its own; until the link knows which, a waiting
-    pipe holds what is sent."""
+    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER, or
+    (``alone``) a DEALER of its own; until the link knows which, it holds what is sent."""
+
+    hop: Optional[bytes] = None
+    alone: Optional[ZmqDealer] = None
+    closed = False
 
     def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
         self.link = link
+        self.endpoint = link.endpoint
         self.receiver = receiver
-        self.hop: Optional[bytes] = None
-        self.alone: Optional[ZmqDealer] = None
-        self.closed = False
         self.held: list[list[bytes]] = []
-
-    @property
-    def endpoint(self) -> str:
-        return self.link.endpoint
 
     @property
     def connected(self) -> bool:
@@ -71,7 +60,6 @@ class ZmqChannel:
         return (self.alone or self.link.dealer).drained()
 
     def discardReceived(self) -> int:
-        """A relayed pipe's messages are delivered as they come: none wait."""
         return self.alone.discardReceived() if self.alone is not None else 0
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -92,21 +80,21 @@ class ZmqChannel:
         self.closed = True
         self.held = []
         self.link.forget(self)
-        if self.alone is not None:
-            return self.alone.close()
-        return defer.succeed(None)
+        return self.alone.close() if self.alone is not None else defer.succeed(None)
 
 
 @implementer(IDealerChannels, IDealerReceiver)
 class ZmqChannels:
-    """The pipes to one ZeroMQ endpoint: relay hops on one DEALER where the
-    server answers the *probe* (frames, sent after a hop), DEALERs of their own
-    where it does not."""
+    """The pipes to one ZeroMQ endpoint: relay hops where the server answers the *probe*."""
 
-    def __init__(self, endpoint: str, reactor: Any, probe: list[bytes],
-                 limits: Limits = Limits(),
-                 retryPolicy: Optional[Callable[[int], float]] = None,
-                 security: Any = None) -> None:
+    state = ALONE
+    up = closed = False
+    stale = _next = 0  # messages for hops no pipe has; the last hop
+    _waitCall: Any = None
+    dealer: Any = None  # of the relay hops, once a second pipe is open
+
+    def __init__(self, endpoint: str, reactor: Any, probe: list[bytes], limits: Limits = Limits(),
+                 retryPolicy: Optional[Callable[[int], float]] = None, security: Any = None) -> None:
         self.endpoint = endpoint
         self.probe = probe
         self.reactor = reactor
@@ -114,28 +102,17 @@ class ZmqChannels:
         self.retryPolicy = retryPolicy
         self.security = security
         self.throttle = LogThrottle(reactor)
-        self.state = ALONE
-        #: relayed pipes by hop; pipes waiting for the probe's answer; the
-        #: DEALERs of the pipes alone
         self.relayed: dict[bytes, ZmqChannel] = {}
         self.waiting: list[ZmqChannel] = []
         self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
-        self.up = False
-        self.closed = False
-        #: messages for hops no pipe has (closed, or never opened): dropped
-        self.stale = 0
-        self._next = 0
-        self._waitCall: Any = None
-        #: the DEALER of the relay hops, once a second pipe is open
-        self.dealer: Any = None
 
     def _dealer(self, receiver: Any) -> ZmqDealer:
         return ZmqDealer(self.endpoint, receiver, self.reactor, limits=self.limits,
                          curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        """A relayed pipe; or, while no other is open or the probe went
-        unanswered, a DEALER of its own; else a pipe that waits for the answer."""
+        """A relayed pipe; a DEALER of its own while no other is open or the probe
+        went unanswered; else a pipe that waits for the answer."""
         if self.closed:
             raise RuntimeError(f"the pipes to {self.endpoint} are closed")
         if self.state is not RELAYING and (self.state is UNANSWERED or not (
@@ -147,7 +124,7 @@ class ZmqChannels:
         if self.state is RELAYING:
             self._relay(pipe)
             return pipe
-        if self.state is ALONE:  # a second pipe at once: ask whether the server relays
+        if self.state is ALONE:  # a second pipe: ask whether the server relays
             self.state = PROBING
             self.dealer = self._dealer(self)
             self.dealer.sendMessage([PROBE_HOP, *self.probe])
@@ -164,7 +141,7 @@ class ZmqChannels:
         pipe.hop = hop
         self.relayed[hop] = pipe
         held, pipe.held = pipe.held, []
-        for frames in held:  # (the DEALER keeps them while it connects)
+        for frames in held:
             pipe.sendMessage(frames)
         if self.up:
             self.reactor.callLater(0, self._made, pipe)
@@ -173,16 +150,8 @@ class ZmqChannels:
         if self.relayed.get(pipe.hop) is pipe and self.up:
             pipe.receiver.connectionMade()
 
-    def _goAlone(self, pipe: ZmqChannel) -> None:
-        pipe.alone = self._dealer(pipe.receiver)
-        self.alone.add(pipe.alone)
-        held, pipe.held = pipe.held, []
-        for frames in held:
-            pipe.alone.sendMessage(frames)
-
     def _unanswered(self) -> None:
-        """The probe's wait is over: the waiting pipes go alone (a later answer
-        still relays the pipes opened after it)."""
+        """The waiting pipes go alone (a later answer relays those opened after)."""
         self._waitCall = None
         if self.state is PROBING:
             self.state = UNANSWERED
@@ -191,15 +160,17 @@ class ZmqChannels:
         waiting, self.waiting = self.waiting, []
         for pipe in waiting:
             if not pipe.closed:
-                self._goAlone(pipe)
+                pipe.alone = self._dealer(pipe.receiver)
+                self.alone.add(pipe.alone)
+                held, pipe.held = pipe.held, []
+                for frames in held:
+                    pipe.sendMessage(frames)
 
     def forget(self, pipe: ZmqChannel) -> None:
         if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:
             del self.relayed[pipe.hop]
         if pipe in self.waiting:
             self.waiting.remove(pipe)
-
-    # --- the shared DEALER's receiver ------------------------------------
 
     def connectionMade(self) -> None:
         self.up = True
@@ -213,18 +184,21 @@ class ZmqChannels:
 
     def messageReceived(self, frames: list[bytes]) -> None:
         hop = frames[0] if len(frames) > 1 else None
-        pipe = self.relayed.get(hop) if hop is not None else None
+        pipe = self.relayed.get(hop)
         if pipe is not None:
             pipe.receiver.messageReceived(frames[1:])
-        elif hop == PROBE_HOP:
-            self._answered()
-        else:
+        elif hop != PROBE_HOP:
             self.stale += 1
+        elif self.state is not RELAYING:  # the probe's answer
+            self.state = RELAYING
+            self._waitCall = cancel_call(self._waitCall)
+            waiting, self.waiting = self.waiting, []
+            for pipe in waiting:
+                if not pipe.closed:
+                    self._relay(pipe)
 
     def hopOversized(self, hop: bytes, count: int, size: int) -> bool:
-        """A message over the limits came on *hop* (read off): its pipe alone
-        goes on as a new hop, as a DEALER of its own is replaced, and hears
-        ``connectionLost``; the other pipes are not touched."""
+        """A message over the limits came on *hop*: only its pipe moves to a new hop."""
         pipe = self.relayed.get(hop)
         if pipe is not None:
             why = OversizedMessage(f"a message of {size}+ bytes in {count} frames is over the limits")
@@ -234,18 +208,8 @@ class ZmqChannels:
     def _hopReplaced(self, pipe: ZmqChannel, hop: bytes, why: Exception) -> None:
         if self.relayed.get(hop) is pipe:
             del self.relayed[hop]
-            self._relay(pipe)  # (what still comes on the old hop is stale)
+            self._relay(pipe)
             pipe.receiver.connectionLost(Failure(why))
-
-    def _answered(self) -> None:
-        if self.state is RELAYING:
-            return
-        self.state = RELAYING
-        self._waitCall = cancel_call(self._waitCall)
-        waiting, self.waiting = self.waiting, []
-        for pipe in waiting:
-            if not pipe.closed:
-                self._relay(pipe)
 
     def close(self) -> defer.Deferred[None]:
         """Close every pipe and the DEALER; fires once all are."""

@@ -1,13 +1,12 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, the
-socket options, and the loop-free calls that read and send a whole message
-(:func:`socket_calls`), shared by the txzmq connections and the blocking pipes."""
+"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, socket
+options, and the calls that read and send a whole message (:func:`socket_calls`)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import sys
-from functools import partial
+from functools import cache, partial
 from typing import Any, Callable, Optional
 
 import zmq
@@ -19,82 +18,59 @@ from mdp.policy import Limits, cancel_call
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
-#: Messages libzmq queues per pipe on a DEALER: a burst of PARTIALs rarely waits.
-HIGH_WATER_MARK = 100_000
+HIGH_WATER_MARK = 100_000  # messages per pipe on a DEALER: a burst of PARTIALs rarely waits
 #: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and on
 #: a connecting ROUTER); small, as libzmq counts messages, not bytes.
 ROUTER_HIGH_WATER_MARK = 64
-#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind and
-#: never changed: libzmq <= 4.3.5 crashes on a freed pipe when SNDHWM changes
-#: (libzmq issue #4524).
+#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind, never
+#: changed (libzmq issue #4524).
 ROUTER_SEND_WATER_MARK = 128
 LINGER_MS = 200
 
-_factory: Any = None
-_classes: Optional[tuple[type, type]] = None
 
-
+@cache
 def zmq_factory() -> Any:
     """The process-wide txzmq factory, shut down with the reactor."""
-    global _factory
-    if _factory is None:
-        import txzmq
+    import txzmq
 
-        class Factory(txzmq.ZmqFactory):
-            """Runs ``beforeTerm`` callables (closing monitor sockets) before
-            terminating the context, which would wait on an open socket."""
+    class Factory(txzmq.ZmqFactory):
+        """Runs ``beforeTerm`` callables before terminating the context."""
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.beforeTerm: set[Callable[[], None]] = set()
+        def __init__(self) -> None:
+            super().__init__()
+            self.beforeTerm: set[Callable[[], None]] = set()
 
-            def shutdown(self) -> None:
-                for callback in list(self.beforeTerm):
-                    callback()
-                super().shutdown()
+        def shutdown(self) -> None:
+            for callback in list(self.beforeTerm):
+                callback()
+            super().shutdown()
 
-        _factory = Factory()
-        _factory.lingerPeriod = LINGER_MS
-        _factory.registerForShutdown()
-    return _factory
+    factory = Factory()
+    factory.lingerPeriod = LINGER_MS
+    factory.registerForShutdown()
+    return factory
 
 
-#: Messages handled per doRead before yielding to the reactor.
-READ_BATCH = 64
-#: After a doRead of this many messages, the next reads until a recv fails
-#: instead of asking EVENTS before every message.
-BUSY_BATCH = 8
-#: Peers a ROUTER remembers as cut off (messages for them are discarded).
-MAX_CUT_OFF = 10_000
-#: Frames of a message over the limits read off per doRead.
-FRAMES_PER_TURN = 10_000
-#: Frames at least this long are sent without copying (below, a copy is
-#: cheaper than pyzmq's release of a zero-copy frame).
-ZERO_COPY_BYTES = 1 << 20
-#: Frames at least this long may be kept uncopied (``keepFramesFrom``);
-#: shorter ones may share a libzmq read buffer, and are copied.
-KEEP_FRAME_BYTES = 16 * 1024
+READ_BATCH = 64  # messages per doRead before yielding to the reactor
+BUSY_BATCH = 8  # after a doRead of this many messages, the next asks EVENTS only once
+MAX_CUT_OFF = 10_000  # peers a ROUTER remembers as cut off
+FRAMES_PER_TURN = 10_000  # frames of a message over the limits read off per doRead
+ZERO_COPY_BYTES = 1 << 20  # frames at least this long are sent without copying
+KEEP_FRAME_BYTES = 16 * 1024  # frames at least this long may be kept uncopied
 
 
-_frames: Any = None
-
-
+@cache
 def zmq_frames() -> Any:
-    """:mod:`mdp.transport._zmqframes`, bound to pyzmq's libzmq, where it is
-    built and current; else None (messages go through pyzmq's calls)."""
-    global _frames
-    if _frames is None:
-        _frames = False
-        module: Any = _compiled.accelerator("mdp.transport._zmqframes")
-        if module is not None:
-            try:
-                backend = sys.modules[zmq.backend.Socket.__module__]
-                module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
-            except (ImportError, AttributeError, KeyError, TypeError) as e:
-                log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
-            else:
-                _frames = module
-    return _frames or None
+    """:mod:`mdp.transport._zmqframes` bound to pyzmq's libzmq, or None."""
+    module: Any = _compiled.accelerator("mdp.transport._zmqframes")
+    if module is not None:
+        try:
+            backend = sys.modules[zmq.backend.Socket.__module__]
+            module.bind(backend.__file__, zmq.Again, zmq.ZMQError)
+        except (ImportError, AttributeError, KeyError, TypeError) as e:
+            log.info("ZeroMQ messages go through pyzmq's calls: {why}", why=e)
+            return None
+    return module
 
 
 def kept_frame_type() -> type:
@@ -107,14 +83,12 @@ def kept_frame_type() -> type:
 _recv, _pysend, _get = zmq.backend.Socket.recv, zmq.backend.Socket.send, zmq.backend.Socket.get
 NOBLOCK, NOBLOCK_SNDMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
-#: :func:`read_pyzmq`'s answer for a message over the limits, as ``_zmqframes.read``'s
-OVER = 1
+OVER = 1  # read_pyzmq's answer for a message over the limits, as _zmqframes.read's
 
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
     """``(read, send, events, native)``: the calls that read a whole message,
-    send one and ask ``EVENTS``, given a :func:`socket_handle`; in C
-    (:func:`zmq_frames`) where built and *native*, else through pyzmq."""
+    send one and ask ``EVENTS``; in C where built and *native*, else pyzmq's."""
     frames = zmq_frames() if native else None
     if frames is None:
         return read_pyzmq, send_pyzmq, events_pyzmq, False
@@ -129,10 +103,9 @@ def socket_handle(socket: Any, native: bool) -> Any:
 def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrames: int,
                maxBytes: int, envelope: bool,
                identified: Optional[Callable[[bytes, Optional[str]], None]] = None) -> Any:
-    """``_zmqframes.read`` through pyzmq: a message's frames (those past
-    *keepAfter* of *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first
-    frame or b"", frames, bytes, more follow])`` once over the limits; with
-    *identified*, ``identified(first frame, User-Id)`` first."""
+    """``_zmqframes.read`` through pyzmq: the frames (past *keepAfter*, those of
+    *keepBytes* or more as ``zmq.Frame``), or ``(OVER, [first frame or b"", frames,
+    bytes, more follow])``; with *identified*, ``identified(first frame, User-Id)``."""
     frame = _recv(socket, flags, False)
     size = 0 if envelope else len(frame)
     if size > maxBytes:  # a lone first frame (connecting sockets set no MAXMSGSIZE)
@@ -147,8 +120,7 @@ def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrame
         if count > maxFrames or size > maxBytes:
             return OVER, [frames[0], count, size, frame.more]
         frames.append(frame if length >= keepBytes and count > keepAfter else frame.bytes)
-    if identified is not None and count > 1:
-        # the routing id a ROUTER adds carries no metadata
+    if identified is not None and count > 1:  # (the routing id carries no metadata)
         identified(frames[0], frame.get("User-Id"))
     return frames
 
@@ -165,8 +137,7 @@ def events_pyzmq(socket: Any) -> int:
 
 
 def skip_pyzmq(socket: Any, budget: int) -> tuple[int, int, bool]:
-    """``_zmqframes.skip`` through pyzmq: read off up to *budget* frames of the
-    message being read; ``(frames, bytes, more follow)``."""
+    """``_zmqframes.skip`` through pyzmq: ``(frames, bytes, more follow)``."""
     count = size = 0
     more = True
     while more and count < budget:
@@ -177,194 +148,172 @@ def skip_pyzmq(socket: Any, budget: int) -> tuple[int, int, bool]:
     return count, size, more
 
 
+@cache
 def _connection_classes() -> tuple[type, type]:
-    global _classes
-    if _classes is None:
-        import txzmq
+    import txzmq
 
-        read, send, events, native = socket_calls()
-        Again = zmq.Again
-        skip = zmq_frames().skip if native else skip_pyzmq
+    read, send, events, native = socket_calls()
+    Again = zmq.Again
+    skip = zmq_frames().skip if native else skip_pyzmq
 
-        class FastIO:
-            """txzmq's read and send paths through :func:`socket_calls`: at most
-            READ_BATCH messages a turn, a read after a send only when EVENTS
-            says input is pending (the FD is edge-triggered)."""
+    class FastIO:
+        """txzmq's read and send through :func:`socket_calls`, READ_BATCH messages a turn."""
 
-            read_scheduled: Any
-            socket: Any
-            factory: Any
-            reading = False
-            #: mdp.uvreactor may call doRead without Twisted's legacy log context
-            needsLogContext = False
-            #: frames of routing envelope before the message (1 on a ROUTER)
-            envelope = 0
-            #: call ``owner.identified(peer, userId)`` before each delivery
-            identify = False
-            maxBytes = Limits().maxMessageBytes
-            maxFrames = Limits().maxFrames
-            #: a message over the limits being read off: [first frame, frames, bytes, more]
-            skipping: Any = None
-            #: messages the last doRead delivered (see BUSY_BATCH)
-            lastBatch = 0
-            owner: Any = None
-            #: frames after this many (routing id included) of KEEP_FRAME_BYTES
-            #: or more are delivered uncopied
-            keepAfter = 1 << 62
-            #: what :func:`socket_calls` take (:func:`socket_handle`); 0 once closed
-            handle: Any = 0
+        read_scheduled: Any
+        socket: Any
+        factory: Any
+        reading = False
+        needsLogContext = False
+        envelope = 0  # frames of routing id (1 on a ROUTER)
+        identify = False
+        maxBytes = Limits().maxMessageBytes
+        maxFrames = Limits().maxFrames
+        #: a message over the limits being read off: [first frame, frames, bytes, more]
+        skipping: Any = None
+        lastBatch = 0  # messages the last doRead delivered
+        owner: Any = None
+        keepAfter = 1 << 62  # frames past this many may be kept uncopied
+        handle: Any = 0  # what socket_calls take; 0 once closed
 
-            def doRead(self) -> None:
-                """Read at most READ_BATCH messages (also ``readNow``, for
-                :mod:`mdp.uvreactor`).  A failed read is logged and ends the
-                reading (``connectionLost``), as Twisted's reactor does."""
-                try:
-                    if self.read_scheduled is not None:
-                        self.read_scheduled = cancel_call(self.read_scheduled)
-                    socket = self.socket
-                    if socket is None:
-                        return
-                    # ZeroMQ signals its FD when a full pipe drains, too
-                    owner = self.owner
-                    if owner is not None and owner.backlogged:
-                        owner._flush()
-                        if self.socket is None:
-                            return
-                    deliver = self.deliver
-                    handle = self.handle or self._handle(socket)
-                    reader, source = self._reader(socket, handle)
-                    keepAfter, envelope = self.keepAfter, self.envelope
-                    maxFrames, maxBytes = self.maxFrames + envelope, self.maxBytes
-                    budget = FRAMES_PER_TURN
-                    busy = self.lastBatch >= BUSY_BATCH
-                    delivered = 0
-                    # sends while reading need no EVENTS check: the loop asks again
-                    self.reading = True
-                    try:
-                        for _ in range(READ_BATCH):
-                            if self.skipping is None:
-                                if not (busy and delivered) and not events(handle) & POLLIN:
-                                    return
-                                try:
-                                    frames = reader(source, NOBLOCK, keepAfter, KEEP_FRAME_BYTES,
-                                                    maxFrames, maxBytes, envelope)
-                                except Again:
-                                    return
-                                if frames.__class__ is list:
-                                    delivered += 1
-                                    try:
-                                        deliver(frames)
-                                    except Exception:
-                                        log.failure("zmq message handler failed")
-                                    if self.socket is None:
-                                        return
-                                    continue
-                                self.skipping = frames[1]
-                            budget = self._skip(socket, budget)
-                            if self.skipping is not None:
-                                break  # the rest next turn
-                    finally:
-                        self.reading = False
-                        self.lastBatch = delivered
-                    self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException:  # a handler's SystemExit too
-                    log.failure("reading from a ZeroMQ socket failed")
-                    self.connectionLost(Failure())
-
-            readNow = doRead
-
-            def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
-                """The read call and what it takes (C cannot see a message's User-Id)."""
-                if self.identify:
-                    return partial(read_pyzmq, identified=self.owner.identified), socket
-                return read, handle
-
-            def discardQueued(self) -> int:
-                """Drop up to READ_BATCH waiting messages; how many.  Not while
-                a message over the limits is read off: that one ends the pipe."""
+        def doRead(self) -> None:
+            """Read at most READ_BATCH messages; a failure ends the reading."""
+            try:
+                if self.read_scheduled is not None:
+                    self.read_scheduled = cancel_call(self.read_scheduled)
                 socket = self.socket
-                dropped = 0
-                if socket is None or self.skipping is not None:
-                    return 0
+                if socket is None:
+                    return
+                owner = self.owner
+                if owner is not None and owner.backlogged:  # (a drained pipe signals too)
+                    owner._flush()
+                    if self.socket is None:
+                        return
+                deliver = self.deliver
                 handle = self.handle or self._handle(socket)
                 reader, source = self._reader(socket, handle)
-                for _ in range(READ_BATCH):
-                    if not events(handle) & POLLIN:
-                        break
-                    frames = reader(source, NOBLOCK, self.keepAfter, KEEP_FRAME_BYTES,
-                                    self.maxFrames + self.envelope, self.maxBytes, self.envelope)
-                    if frames.__class__ is not list:
-                        self.skipping = frames[1]
-                        if not self.reading and self.read_scheduled is None:
-                            self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
-                        break
-                    dropped += 1
-                return dropped
+                keepAfter, envelope = self.keepAfter, self.envelope
+                maxFrames, maxBytes = self.maxFrames + envelope, self.maxBytes
+                budget = FRAMES_PER_TURN
+                busy = self.lastBatch >= BUSY_BATCH
+                delivered = 0
+                self.reading = True
+                try:
+                    for _ in range(READ_BATCH):
+                        if self.skipping is None:
+                            if not (busy and delivered) and not events(handle) & POLLIN:
+                                return
+                            try:
+                                frames = reader(source, NOBLOCK, keepAfter, KEEP_FRAME_BYTES,
+                                                maxFrames, maxBytes, envelope)
+                            except Again:
+                                return
+                            if frames.__class__ is list:
+                                delivered += 1
+                                try:
+                                    deliver(frames)
+                                except Exception:
+                                    log.failure("zmq message handler failed")
+                                if self.socket is None:
+                                    return
+                                continue
+                            self.skipping = frames[1]
+                        budget = self._skip(socket, budget)
+                        if self.skipping is not None:
+                            break  # the rest next turn
+                finally:
+                    self.reading = False
+                    self.lastBatch = delivered
+                self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # a handler's SystemExit too
+                log.failure("reading from a ZeroMQ socket failed")
+                self.connectionLost(Failure())
 
-            def _skip(self, socket: Any, budget: int) -> int:
-                """Read off up to *budget* frames of the message over the limits;
-                the budget left."""
-                head, count, size, more = self.skipping
-                if more:
-                    frames, length, more = skip(self.handle or self._handle(socket), budget)
-                    count, size, budget = count + frames, size + length, budget - frames
-                if more:
-                    self.skipping = [head, count, size, more]
-                    return 0
-                self.skipping = None
-                # (a ROUTER's head is the peer; a DEALER's, its first frame: a relay hop)
-                self.owner.oversized(head, count - self.envelope, size)
-                return budget
+        readNow = doRead
 
-            def attached(self) -> None:
-                """Look for input a turn after a bind or connect (an inproc
-                pipe attached within the call signals nothing)."""
-                if self.read_scheduled is None and self.socket is not None:
+        def _reader(self, socket: Any, handle: Any) -> tuple[Any, Any]:
+            """The read call and what it takes (only pyzmq's sees User-Id)."""
+            if self.identify:
+                return partial(read_pyzmq, identified=self.owner.identified), socket
+            return read, handle
+
+        def discardQueued(self) -> int:
+            """Drop up to READ_BATCH waiting messages; how many."""
+            socket = self.socket
+            dropped = 0
+            if socket is None or self.skipping is not None:
+                return 0
+            handle = self.handle or self._handle(socket)
+            reader, source = self._reader(socket, handle)
+            for _ in range(READ_BATCH):
+                if not events(handle) & POLLIN:
+                    break
+                frames = reader(source, NOBLOCK, self.keepAfter, KEEP_FRAME_BYTES,
+                                self.maxFrames + self.envelope, self.maxBytes, self.envelope)
+                if frames.__class__ is not list:
+                    self.skipping = frames[1]
+                    if not self.reading and self.read_scheduled is None:
+                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+                    break
+                dropped += 1
+            return dropped
+
+        def _skip(self, socket: Any, budget: int) -> int:
+            """Read off the message over the limits; the budget left."""
+            head, count, size, more = self.skipping
+            if more:
+                frames, length, more = skip(self.handle or self._handle(socket), budget)
+                count, size, budget = count + frames, size + length, budget - frames
+            if more:
+                self.skipping = [head, count, size, more]
+                return 0
+            self.skipping = None  # (head: a ROUTER's peer, a DEALER's relay hop)
+            self.owner.oversized(head, count - self.envelope, size)
+            return budget
+
+        def attached(self) -> None:
+            """Look for input a turn after a bind or connect."""
+            if self.read_scheduled is None and self.socket is not None:
+                self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+
+        def _handle(self, socket: Any) -> Any:
+            if socket is None:
+                raise zmq.ZMQError(errno.ENOTSOCK)
+            self.handle = handle = socket_handle(socket, native)
+            return handle
+
+        def send(self, frames: list[bytes]) -> None:
+            socket = self.socket
+            try:
+                send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend, socket)
+            finally:  # (a send may have taken the signal of pending input)
+                if (not self.reading and self.read_scheduled is None
+                        and self.socket is not None and events(self.handle) & POLLIN):
                     self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
 
-            def _handle(self, socket: Any) -> Any:
-                if socket is None:
-                    raise zmq.ZMQError(errno.ENOTSOCK)
-                self.handle = handle = socket_handle(socket, native)
-                return handle
+        def shutdown(self) -> None:
+            self.handle = 0
+            super().shutdown()  # type: ignore[misc]
 
-            def send(self, frames: list[bytes]) -> None:
-                socket = self.socket
-                try:
-                    send(self.handle or self._handle(socket), frames, ZERO_COPY_BYTES, _pysend,
-                         socket)
-                finally:
-                    # a send may have taken the edge-triggered signal of pending input
-                    if (not self.reading and self.read_scheduled is None
-                            and self.socket is not None and events(self.handle) & POLLIN):
-                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+    class Router(FastIO, txzmq.ZmqRouterConnection):
+        highWaterMark = ROUTER_HIGH_WATER_MARK
+        envelope = 1
 
-            def shutdown(self) -> None:
-                self.handle = 0  # (libzmq frees the socket: its address is no longer one)
-                super().shutdown()  # type: ignore[misc]
+        def deliver(self, frames: list[bytes]) -> None:
+            self.owner.delivered(frames[0], frames[1:])
 
-        class Router(FastIO, txzmq.ZmqRouterConnection):
-            highWaterMark = ROUTER_HIGH_WATER_MARK
-            envelope = 1
+    class Dealer(FastIO, txzmq.ZmqDealerConnection):
+        highWaterMark = HIGH_WATER_MARK
 
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner.delivered(frames[0], frames[1:])
+        def deliver(self, frames: list[bytes]) -> None:
+            self.owner.receiver.messageReceived(frames)
 
-        class Dealer(FastIO, txzmq.ZmqDealerConnection):
-            highWaterMark = HIGH_WATER_MARK
-
-            def deliver(self, frames: list[bytes]) -> None:
-                self.owner.receiver.messageReceived(frames)
-
-        _classes = (Router, Dealer)
-    return _classes
+    return Router, Dealer
 
 
 class FlushPacer:
-    """When to try a full pipe again (libzmq's edge-triggered drain signal may
-    be consumed elsewhere): backing off, doubling up to ``longest`` seconds."""
+    """When to try a full pipe again: backing off up to ``longest`` seconds."""
 
     shortest = 0.0005
     longest = 0.05
@@ -378,7 +327,7 @@ class FlushPacer:
 
 
 def random_identity() -> bytes:
-    """16 random bytes for a peer id (no leading zero byte: ZeroMQ's own ids)."""
+    """16 random bytes, not ZeroMQ's own ids' leading zero."""
     return bytes([os.urandom(1)[0] | 1]) + os.urandom(15)
 
 
