@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import pytest
 import pytest_twisted
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mdp import Client
@@ -161,6 +161,7 @@ def test_an_sp_message_across_reads_is_charged_too(budget: InputBudget) -> None:
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
        cuts=st.lists(st.integers(1, 4000), max_size=10))
+@example(sizes=[0], cuts=[5, 1])  # a frame's length prefix split over three reads
 def test_any_split_gives_everything_back(sizes: list[int], cuts: list[int]) -> None:
     """However the stream is cut into reads, the messages are the same, and
     once they are all out nothing is held."""

@@ -288,8 +288,9 @@ class RecordDecoder(ChargedDecoder):
                     raise RecordTooLarge(f"record holds more than {self.limits.maxFrames} frames")
                 if self._need < 4:
                     raise ProtocolError("truncated frame length in stream record")
-                if end - pos < 4:  # read again in front of the next piece
-                    self._header = bytes(data[pos:end])
+                if end - pos < 4:  # read again in front of the next piece (not charged: it
+                    self._header = bytes(data[pos:end])  # comes back in that piece's bytes)
+                    start += end - pos
                     pos = end
                     break
                 (size,) = _unpack_from(data, pos)
