@@ -33,12 +33,8 @@ from mdp.majordomo.client_machine import (
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
     STOPPED,
-    ClosePipe,
-    OpenPipe,
-    ReopenAfter,
     SendToBroker,
     Serve,
-    StoreReply,
     WorkerDriver,
 )
 from mdp.messages import Frame
@@ -467,7 +463,6 @@ class Worker(WorkerDriver):
         _log_to_stdlib()
         self._context = context
         self._loop: Any = None
-        self._pipe: Any = None
         self._reopenAt = _NEVER
         self._nextTick = 0.0
         self._stopping = False
@@ -532,21 +527,15 @@ class Worker(WorkerDriver):
         for action in actions:
             kind = type(action)
             if kind is SendToBroker:
-                if self._pipe is not None:
-                    self._pipe.send(action.frames)
+                if self.transport is not None:
+                    self.transport.send(action.frames)
             elif kind is Serve:
                 self._serve(action.job, action.body)
-            elif kind is OpenPipe:
-                self._open(action.endpoint)
-            elif kind is ClosePipe:
-                pipe, self._pipe = self._pipe, None
-                if pipe is not None:
-                    pipe.close()
-            elif kind is ReopenAfter:
-                self._report(action)
-                self._reopenAt = monotonic() + action.delay
-            elif kind is not StoreReply:  # (a blocking worker keeps no reply store)
-                self._report(action)
+            else:
+                self._act(action)
+
+    def _reopenAfter(self, delay: float) -> None:
+        self._reopenAt = monotonic() + delay
 
     def _open(self, endpoint: str) -> None:
         try:
@@ -557,7 +546,7 @@ class Worker(WorkerDriver):
             error.__cause__ = e
             self._openFailed(error)
             return
-        self._pipe = pipe
+        self.transport = pipe
         if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 
@@ -583,7 +572,7 @@ class Worker(WorkerDriver):
         Whether the stream goes on (False: the request is void or was answered)."""
         if not self._reply(job, WorkerPartial, frames):
             return False
-        pipe = self._pipe
+        pipe = self.transport
         if pipe is not None and pipe.backlogged:
             pacer = FlushPacer()
             while pipe.draining and self.machine.isCurrent(job) and not self._loop.closed:

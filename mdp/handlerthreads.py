@@ -155,7 +155,7 @@ class HandlerThreads:
         have drained (or whose requests went)."""
         waiting = []
         for session, job, ack in self.paced:
-            pipe = session._pipe
+            pipe = session.transport
             current = session.machine.isCurrent(job)
             if current and pipe is not None and pipe.draining:
                 waiting.append((session, job, ack))

@@ -51,7 +51,7 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import reply_frames
-from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IWorker
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.client_machine import check_count, unreachable
@@ -374,6 +374,8 @@ class WorkerDriver:
                                      now=clock.seconds(), **options)
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
+        self.replies: Optional[idempotence.IReplyStore] = None
+        self.transport: Any = None  # the pipe to the broker
 
     concurrency = property(lambda self: len(self.sessions),
                            doc="How many requests this worker serves at once (its sessions).")
@@ -392,6 +394,25 @@ class WorkerDriver:
                           "pipe is up whether or not anyone listens).")
     current = machine_view("current", "The address of the client being served, if one is.")
     generation = machine_view("generation", "Bumped on every new or lost pipe.")
+
+    def _act(self, action: Action) -> Any:
+        """What both drivers do alike; a pipe's closing, if any."""
+        kind = type(action)
+        if kind is StoreReply:
+            if self.replies is not None:
+                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
+                    _storeFailed)
+        elif kind is OpenPipe:
+            self._open(action.endpoint)
+        elif kind is ClosePipe:
+            pipe, self.transport = self.transport, None
+            if pipe is not None:
+                return pipe.close()
+        else:
+            self._report(action)
+            if kind is ReopenAfter:
+                self._reopenAfter(action.delay)
+        return None
 
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
@@ -454,7 +475,6 @@ class Worker(WorkerDriver):
         super().__init__(endpoint, service, handler, reactor, **options)
         self.reactor = reactor
         self.replies = replies
-        self.transport: Optional[IDealerTransport] = None
         self.streamPauses = 0  # times a stream waited for the queue to drain
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
@@ -554,26 +574,11 @@ class Worker(WorkerDriver):
                 closing = self._act(action) or closing
         return closing
 
-    def _act(self, action: Action) -> Optional[defer.Deferred[None]]:
-        kind = type(action)
-        if kind is StoreReply:
-            if self.replies is not None:
-                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
-                    _storeFailed)
-        elif kind is OpenPipe:
-            self._open(action.endpoint)
-        elif kind is ClosePipe:
-            pipe, self.transport = self.transport, None
-            if pipe is not None:
-                return pipe.close()
-        else:
-            self._report(action)
-            if kind is ReopenAfter:
-                cancel_call(self._reconnectCall)
-                self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
-                if self.metrics is not None:
-                    self.metrics.reconnected(self.service)
-        return None
+    def _reopenAfter(self, delay: float) -> None:
+        cancel_call(self._reconnectCall)
+        self._reconnectCall = self.reactor.callLater(delay, self._reopen)
+        if self.metrics is not None:
+            self.metrics.reconnected(self.service)
 
     def _open(self, endpoint: str) -> None:
         options = dict(retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
