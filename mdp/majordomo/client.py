@@ -176,12 +176,8 @@ class Client(ClientDriver):
                 retries: Optional[int] = None,
                 onPartial: Optional[Callable[[list[bytes]], Any]] = None,
                 onRestart: Optional[Callable[[], Any]] = None) -> defer.Deferred[list[bytes]]:
-        """Send a request; the Deferred fires with the FINAL body frames.
-        *timeout* is the seconds of **one attempt**, *retries* the attempts in
-        all (defaults: the client's).  *onPartial* gets each PARTIAL body,
-        *onRestart* is called when the reply starts over.  Caller mistakes
-        raise at once; everything else fails the Deferred.  Cancelling the
-        Deferred abandons the request."""
+        """Send a request; the Deferred fires with the FINAL body frames (docs/mdp.md).
+        *timeout* is the seconds of **one attempt**, *retries* the attempts in all."""
         now = self.reactor.seconds()
         machine = self.machine
         try:
@@ -271,12 +267,8 @@ _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 
 
 class ReplyStream:
-    """Async iterator over the reply parts of one request
-    (:meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
-    once a reactor turn for all the parts that came meanwhile.  If the reply
-    starts over after parts were taken, the next ``__anext__`` raises
-    :class:`~mdp.errors.StreamRestarted`; iterating again yields the new
-    attempt's parts from the beginning."""
+    """Async iterator over the reply parts of one request (:meth:`Client.stream`); given
+    a *reactor*, a waiting consumer is woken once a turn for the parts that came."""
 
     def __init__(self, reactor: Any = None) -> None:
         self._parts: deque[Any] = deque()

@@ -454,12 +454,8 @@ class WorkerDriver:
 
 
 class Worker(WorkerDriver):
-    """An MDP/0.2 worker for one *service*: the :class:`WorkerMachine` driven
-    over a real transport, one broker at a time.  *endpoint* (one, or a
-    failover list) is checked at once (:class:`~mdp.errors.TransportError`).
-    With *concurrency* N it registers N worker sessions (this one first, in
-    :attr:`sessions`), sharing a connection where the transport allows
-    (docs/mdp.md, "Serving several requests at once")."""
+    """An MDP/0.2 worker for one *service* over a real transport, one broker at a time
+    (docs/mdp.md); with *concurrency* N, N worker sessions (this one first, in :attr:`sessions`)."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, *,
