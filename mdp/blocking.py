@@ -85,10 +85,9 @@ def _log_to_stdlib() -> None:
 
 
 class _Loop:
-    """One poller over a blocking node's pipes, and their reconnection times.
-    A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``", and a send or receive may
-    consume it: a pipe that used its socket, or holds unread messages or
-    unsent records, is asked before the next wait (``unchecked``)."""
+    """One poller over a blocking node's pipes, and their reconnection times.  A ZeroMQ ``ZMQ_FD`` only says
+    "ask ``EVENTS``", and a send or receive may consume it: a pipe that used its socket, or holds unread
+    messages or unsent records, is asked before the next wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
@@ -210,11 +209,9 @@ class _Loop:
 
 
 class Client(ClientDriver):
-    """A blocking MDP/0.2 client of a broker (or a failover list of them):
-    :meth:`request` returns the reply's frames or raises what
-    :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An
-    interrupt (Ctrl-C) drops every connection and request in flight; the next
-    call starts clean."""
+    """A blocking MDP/0.2 client of a broker (or a failover list of them): :meth:`request` returns the reply's
+    frames or raises what :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An interrupt
+    (Ctrl-C) drops every connection and request in flight; the next call starts clean."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], timeout: float = DEFAULT_TIMEOUT,
                  retries: int = DEFAULT_RETRIES, *,
@@ -253,10 +250,9 @@ class Client(ClientDriver):
     def map(self, service: Union[str, bytes], requests: Iterable[Union[Frame, Sequence[Frame]]],
             window: int = 16, *, timeout: Optional[float] = None, retries: Optional[int] = None,
             returnExceptions: bool = False) -> Iterator[Any]:
-        """One request per item (``bytes``/``str``: one frame; a sequence: its
-        frames), up to *window* in flight; yield the replies **in order**.
-        The first failure raises, or with *returnExceptions* is yielded in its
-        place; stopping early abandons what is in flight."""
+        """One request per item (``bytes``/``str``: one frame; a sequence: its frames), up to *window* in
+        flight; yield the replies **in order**.  The first failure raises, or with *returnExceptions* is
+        yielded in its place; stopping early abandons what is in flight."""
         check_count("window", window, "requests")
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
@@ -441,10 +437,9 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerDriver):
-    """A blocking MDP/0.2 worker for one *service*, run in the thread that
-    calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-    With *concurrency* N it registers N sessions and runs the handler in N
-    threads, while the calling thread keeps the connections and heartbeats."""
+    """A blocking MDP/0.2 worker for one *service*, run in the thread that calls :meth:`run`; *handler* as
+    :class:`mdp.Worker`'s, without Deferreds.  With *concurrency* N it registers N sessions and runs the
+    handler in N threads, while the calling thread keeps the connections and heartbeats."""
 
     #: what the broker sends is a new request, never a stale reply
     dropsStale = False
@@ -476,9 +471,8 @@ class Worker(WorkerDriver):
         self._stopping = True
 
     def run(self, until: Optional[Callable[[], bool]] = None) -> None:
-        """Serve until :meth:`stop`, *until()* is true (checked at each
-        wake-up) or an exception; then answer what is in hand (unless an
-        exception), say DISCONNECT and close."""
+        """Serve until :meth:`stop`, *until()* is true (checked at each wake-up) or an exception; then answer
+        what is in hand (unless an exception), say DISCONNECT and close."""
         self._stopping = False
         loop = _Loop(self.machine.limits, self._context)
         threads = HandlerThreads(loop, len(self.sessions)) if len(self.sessions) > 1 else None
@@ -566,10 +560,9 @@ class Worker(WorkerDriver):
             self._perform(self.machine.handleBlocked(monotonic()))
 
     def _part(self, job: Any, frames: list[bytes]) -> bool:
-        """Send a PARTIAL, then serve the broker's traffic and heartbeats; while
-        the broker takes PARTIALs slower than they come, wait until what waits
-        has drained (polled: libzmq tells nobody when it lets go of a message).
-        Whether the stream goes on (False: the request is void or was answered)."""
+        """Send a PARTIAL, then serve the broker's traffic and heartbeats; while the broker takes PARTIALs
+        slower than they come, wait until what waits has drained (polled: libzmq tells nobody when it lets go
+        of a message).  Whether the stream goes on (False: the request is void or was answered)."""
         if not self._reply(job, WorkerPartial, frames):
             return False
         pipe = self.transport

@@ -90,9 +90,8 @@ classImplements(_ChannelPipe, IDealerReceiver)
 
 
 class ClientDriver:
-    """What :class:`Client` and :class:`mdp.blocking.Client` share: the
-    :class:`ClientMachine` (``machine``), its options and the actions both
-    perform alike; *clock* has ``seconds()``."""
+    """What :class:`Client` and :class:`mdp.blocking.Client` share: the :class:`ClientMachine` (``machine``),
+    its options and the actions both perform alike; *clock* has ``seconds()``."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, limits: Limits,
                  curveServerPublic: Optional[str], curveSecret: Optional[str], **options: Any) -> None:
