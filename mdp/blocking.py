@@ -1,7 +1,6 @@
-"""The MDP/0.2 client and worker without a reactor (docs/blocking.md): the
-Twisted drivers' machines over pyzmq (``zmq:``) or stream sockets (``tcp:``,
-``unix:``) and one poller, only inside their calls, in the calling thread.  A
-client belongs to one thread at a time (as a ZeroMQ socket does)."""
+"""The MDP/0.2 client and worker without a reactor (docs/blocking.md): the Twisted drivers' machines
+over pyzmq (``zmq:``) or stream sockets (``tcp:``, ``unix:``) and one poller, only inside their
+calls, in the calling thread.  A client belongs to one thread at a time (as a ZeroMQ socket does)."""
 
 from __future__ import annotations
 

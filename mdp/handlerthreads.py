@@ -1,6 +1,5 @@
-"""A blocking worker's handlers, run in threads: one per session, each reply
-part handed back to the loop's thread (which alone touches the connections)
-through a wake-up pipe."""
+"""A blocking worker's handlers, run in threads: one per session, each reply part handed back to
+the loop's thread (which alone touches the connections) through a wake-up pipe."""
 
 from __future__ import annotations
 

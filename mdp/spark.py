@@ -1,7 +1,6 @@
 """Push Spark data through MDP services: one request per row, each reply on its row
 (``DataFrame.mapInArrow``).  Executors use a blocking client cached per thread, or a
-running Twisted reactor (docs/spark.md).
-"""
+running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 

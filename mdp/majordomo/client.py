@@ -1,11 +1,9 @@
 """The MDP/0.2 client: Deferred-returning requests, many in flight at once.
 
-MDP/0.2 replies carry no request id, so the client keeps a pool of
-connections (DEALER sockets, or channels of one stream connection), each
-carrying **one request at a time**.  :class:`Client` drives
-:class:`~mdp.majordomo.client_machine.ClientMachine` (the state tables) over
-real transports; the caller's view is in docs/mdp.md.
-"""
+MDP/0.2 replies carry no request id, so the client keeps a pool of connections (DEALER sockets, or
+channels of one stream connection), each carrying **one request at a time**.  :class:`Client` drives
+:class:`~mdp.majordomo.client_machine.ClientMachine` (the state tables) over real transports; the
+caller's view is in docs/mdp.md."""
 
 from __future__ import annotations
 

@@ -42,11 +42,9 @@ UP,    pipe broke          DOWN   tell the client (a STREAMING request restarts)
 SENT
 =====  ==================  =====  ====================================================
 
-A reply on a connection carrying nothing, or one whose request timed out,
-discards that connection.  With ``stamp=True`` each request carries the
-client's id and a sequence number, the same on each retry
-(:mod:`mdp.majordomo.idempotence`).
-"""
+A reply on a connection carrying nothing, or one whose request timed out, discards that connection.
+With ``stamp=True`` each request carries the client's id and a sequence number, the same on each
+retry (:mod:`mdp.majordomo.idempotence`)."""
 
 from __future__ import annotations
 

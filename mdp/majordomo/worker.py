@@ -1,14 +1,12 @@
-"""The MDP/0.2 worker: serves one service through a broker.  What a handler
-may return is in docs/mdp.md ("Worker").  Stamped requests
-(:mod:`mdp.majordomo.idempotence`) are unstamped first; with a reply store
-(``replies=``) one already answered is answered from it.  A handler exception
-is answered with a 500, a reply part over the limits with a 413.
+"""The MDP/0.2 worker: serves one service through a broker.  What a handler may return is in
+docs/mdp.md ("Worker").  Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first;
+with a reply store (``replies=``) one already answered is answered from it.  A handler exception is
+answered with a 500, a reply part over the limits with a 413.
 
 Theory of operation
 -------------------
-:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is
-one pipe to the current endpoint of a failover list; opening a pipe counts as
-hearing the broker, so a pipe that never comes up fails over too.
+:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is one pipe to the current
+endpoint of a failover list; opening a pipe counts as hearing the broker, so one never up fails over too.
 
 =============  ==========================  ============  ==================================================
 state          event                       next          actions
@@ -29,11 +27,9 @@ BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
 any            ``stop()``                  STOPPED       DISCONNECT if READY; close
 =============  ==========================  ============  ==================================================
 
-Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also
-reset ``refusals``.  Messages while STOPPED or BACKING_OFF are ignored.  Every
-new or lost pipe bumps the *generation*: a reply for an older one is dropped
-(the broker re-queued it).
-"""
+Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also reset ``refusals``.
+Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost pipe bumps the *generation*: a
+reply for an older one is dropped (the broker re-queued it)."""
 
 from __future__ import annotations
 
