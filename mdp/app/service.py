@@ -226,16 +226,13 @@ class FreelanceServerService(ServerService):
 
 
 class SPDeviceService(ServerService):
-    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*, made when the service starts
-    (it dials *back* at once)."""
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back* (checked by the plugin's
+    options), made when the service starts (it dials *back* at once)."""
 
     what = "SP device"
 
     def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
-        from mdp.sp.codec import endpoint_of
-
-        transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
         self.endpoint, self.server = front, None
         self.back, self.deviceOptions = back, deviceOptions
