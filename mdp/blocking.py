@@ -1,7 +1,6 @@
-"""The MDP/0.2 client and worker without a reactor (docs/blocking.md): the
-Twisted drivers' machines over pyzmq (``zmq:``) or stream sockets (``tcp:``,
-``unix:``) and one poller, only inside their calls, in the calling thread.  A
-client belongs to one thread at a time (as a ZeroMQ socket does)."""
+"""The MDP/0.2 client and worker without a reactor (docs/blocking.md): the Twisted drivers' machines
+over pyzmq (``zmq:``) or stream sockets (``tcp:``, ``unix:``) and one poller, only inside their
+calls, in the calling thread.  A client belongs to one thread at a time (as a ZeroMQ socket does)."""
 
 from __future__ import annotations
 
@@ -33,12 +32,8 @@ from mdp.majordomo.client_machine import (
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
     STOPPED,
-    ClosePipe,
-    OpenPipe,
-    ReopenAfter,
     SendToBroker,
     Serve,
-    StoreReply,
     WorkerDriver,
 )
 from mdp.messages import Frame
@@ -89,10 +84,9 @@ def _log_to_stdlib() -> None:
 
 
 class _Loop:
-    """One poller over a blocking node's pipes, and their reconnection times.
-    A ZeroMQ ``ZMQ_FD`` only says "ask ``EVENTS``", and a send or receive may
-    consume it: a pipe that used its socket, or holds unread messages or
-    unsent records, is asked before the next wait (``unchecked``)."""
+    """One poller over a blocking node's pipes, and their reconnection times.  A ZeroMQ ``ZMQ_FD`` only says
+    "ask ``EVENTS``", and a send or receive may consume it: a pipe that used its socket, or holds unread
+    messages or unsent records, is asked before the next wait (``unchecked``)."""
 
     def __init__(self, limits: Limits, context: Any) -> None:
         self.limits = limits
@@ -214,11 +208,9 @@ class _Loop:
 
 
 class Client(ClientDriver):
-    """A blocking MDP/0.2 client of a broker (or a failover list of them):
-    :meth:`request` returns the reply's frames or raises what
-    :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An
-    interrupt (Ctrl-C) drops every connection and request in flight; the next
-    call starts clean."""
+    """A blocking MDP/0.2 client of a broker (or a failover list of them): :meth:`request` returns the reply's
+    frames or raises what :class:`mdp.Client`'s Deferred fails with; :meth:`map` pipelines.  An interrupt
+    (Ctrl-C) drops every connection and request in flight; the next call starts clean."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], timeout: float = DEFAULT_TIMEOUT,
                  retries: int = DEFAULT_RETRIES, *,
@@ -257,10 +249,9 @@ class Client(ClientDriver):
     def map(self, service: Union[str, bytes], requests: Iterable[Union[Frame, Sequence[Frame]]],
             window: int = 16, *, timeout: Optional[float] = None, retries: Optional[int] = None,
             returnExceptions: bool = False) -> Iterator[Any]:
-        """One request per item (``bytes``/``str``: one frame; a sequence: its
-        frames), up to *window* in flight; yield the replies **in order**.
-        The first failure raises, or with *returnExceptions* is yielded in its
-        place; stopping early abandons what is in flight."""
+        """One request per item (``bytes``/``str``: one frame; a sequence: its frames), up to *window* in
+        flight; yield the replies **in order**.  The first failure raises, or with *returnExceptions* is
+        yielded in its place; stopping early abandons what is in flight."""
         check_count("window", window, "requests")
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
@@ -445,10 +436,9 @@ _CLOCK = SimpleNamespace(seconds=monotonic)  # what a log throttle reads
 
 
 class Worker(WorkerDriver):
-    """A blocking MDP/0.2 worker for one *service*, run in the thread that
-    calls :meth:`run`; *handler* as :class:`mdp.Worker`'s, without Deferreds.
-    With *concurrency* N it registers N sessions and runs the handler in N
-    threads, while the calling thread keeps the connections and heartbeats."""
+    """A blocking MDP/0.2 worker for one *service*, run in the thread that calls :meth:`run`; *handler* as
+    :class:`mdp.Worker`'s, without Deferreds.  With *concurrency* N it registers N sessions and runs the
+    handler in N threads, while the calling thread keeps the connections and heartbeats."""
 
     #: what the broker sends is a new request, never a stale reply
     dropsStale = False
@@ -467,7 +457,6 @@ class Worker(WorkerDriver):
         _log_to_stdlib()
         self._context = context
         self._loop: Any = None
-        self._pipe: Any = None
         self._reopenAt = _NEVER
         self._nextTick = 0.0
         self._stopping = False
@@ -481,9 +470,8 @@ class Worker(WorkerDriver):
         self._stopping = True
 
     def run(self, until: Optional[Callable[[], bool]] = None) -> None:
-        """Serve until :meth:`stop`, *until()* is true (checked at each
-        wake-up) or an exception; then answer what is in hand (unless an
-        exception), say DISCONNECT and close."""
+        """Serve until :meth:`stop`, *until()* is true (checked at each wake-up) or an exception; then answer
+        what is in hand (unless an exception), say DISCONNECT and close."""
         self._stopping = False
         loop = _Loop(self.machine.limits, self._context)
         threads = HandlerThreads(loop, len(self.sessions)) if len(self.sessions) > 1 else None
@@ -532,21 +520,15 @@ class Worker(WorkerDriver):
         for action in actions:
             kind = type(action)
             if kind is SendToBroker:
-                if self._pipe is not None:
-                    self._pipe.send(action.frames)
+                if self.transport is not None:
+                    self.transport.send(action.frames)
             elif kind is Serve:
                 self._serve(action.job, action.body)
-            elif kind is OpenPipe:
-                self._open(action.endpoint)
-            elif kind is ClosePipe:
-                pipe, self._pipe = self._pipe, None
-                if pipe is not None:
-                    pipe.close()
-            elif kind is ReopenAfter:
-                self._report(action)
-                self._reopenAt = monotonic() + action.delay
-            elif kind is not StoreReply:  # (a blocking worker keeps no reply store)
-                self._report(action)
+            else:
+                self._act(action)
+
+    def _reopenAfter(self, delay: float) -> None:
+        self._reopenAt = monotonic() + delay
 
     def _open(self, endpoint: str) -> None:
         try:
@@ -557,7 +539,7 @@ class Worker(WorkerDriver):
             error.__cause__ = e
             self._openFailed(error)
             return
-        self._pipe = pipe
+        self.transport = pipe
         if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 
@@ -577,13 +559,12 @@ class Worker(WorkerDriver):
             self._perform(self.machine.handleBlocked(monotonic()))
 
     def _part(self, job: Any, frames: list[bytes]) -> bool:
-        """Send a PARTIAL, then serve the broker's traffic and heartbeats; while
-        the broker takes PARTIALs slower than they come, wait until what waits
-        has drained (polled: libzmq tells nobody when it lets go of a message).
-        Whether the stream goes on (False: the request is void or was answered)."""
+        """Send a PARTIAL, then serve the broker's traffic and heartbeats; while the broker takes PARTIALs
+        slower than they come, wait until what waits has drained (polled: libzmq tells nobody when it lets go
+        of a message).  Whether the stream goes on (False: the request is void or was answered)."""
         if not self._reply(job, WorkerPartial, frames):
             return False
-        pipe = self._pipe
+        pipe = self.transport
         if pipe is not None and pipe.backlogged:
             pacer = FlushPacer()
             while pipe.draining and self.machine.isCurrent(job) and not self._loop.closed:

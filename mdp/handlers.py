@@ -52,9 +52,8 @@ BUILTIN: dict[str, Callable[[list[bytes]], Any]] = {"echo": echo}
 
 
 def load_handler(spec: str) -> Callable[[list[bytes]], Any]:
-    """Resolve ``echo`` or ``package.module:callable``, looking in the current
-    directory first (as ``python -m`` does); any failure is an
-    :class:`~mdp.errors.MDPError` with a one-line message."""
+    """Resolve ``echo`` or ``package.module:callable``, looking in the current directory first
+    (as ``python -m`` does); any failure is an :class:`~mdp.errors.MDPError` with a one-line message."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attribute = spec.partition(":")

@@ -1,6 +1,5 @@
-"""A blocking worker's handlers, run in threads: one per session, each reply
-part handed back to the loop's thread (which alone touches the connections)
-through a wake-up pipe."""
+"""A blocking worker's handlers, run in threads: one per session, each reply part handed back to
+the loop's thread (which alone touches the connections) through a wake-up pipe."""
 
 from __future__ import annotations
 
@@ -30,10 +29,9 @@ Answer = tuple[list[bytes], bool, Optional[BaseException]]
 
 
 def run_handler(session: Any, body: list[bytes], part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
-    """Run *session*'s handler on *body*, each PARTIAL through *part* (False:
-    the stream stops, and None is returned); else the FINAL's frames, whether
-    the handler served it, and what to raise once it is answered (an exception
-    not an ``Exception``).  A handler's exception is logged and answered with a 500."""
+    """Run *session*'s handler on *body*, each PARTIAL through *part* (False: the stream stops, and None is
+    returned); else the FINAL's frames, whether the handler served it, and what to raise once it is answered
+    (an exception not an ``Exception``).  A handler's exception is logged and answered with a 500."""
     try:
         result = session.handler(body)
         if type(result) in PLAIN_REPLIES or not isinstance(result, Generator):
@@ -52,10 +50,9 @@ def run_handler(session: Any, body: list[bytes], part: Callable[[list[bytes]], b
 
 
 class HandlerThreads:
-    """The handlers of a worker with several sessions, run in as many threads;
-    what they return reaches the loop's thread through a wake-up pipe.  A
-    handler that raises ``SystemExit`` or ``KeyboardInterrupt`` is answered
-    with a 500, and the exception is raised again in the loop's thread."""
+    """The handlers of a worker with several sessions, run in as many threads; what they return reaches the
+    loop's thread through a wake-up pipe.  A handler that raises ``SystemExit`` or ``KeyboardInterrupt`` is
+    answered with a 500, and the exception is raised again in the loop's thread."""
 
     #: (for the loop's one-socket wait: nothing of it waits to be sent)
     backlog = ()
@@ -155,7 +152,7 @@ class HandlerThreads:
         have drained (or whose requests went)."""
         waiting = []
         for session, job, ack in self.paced:
-            pipe = session._pipe
+            pipe = session.transport
             current = session.machine.isCurrent(job)
             if current and pipe is not None and pipe.draining:
                 waiting.append((session, job, ack))

@@ -1,7 +1,6 @@
 """Push Spark data through MDP services: one request per row, each reply on its row
 (``DataFrame.mapInArrow``).  Executors use a blocking client cached per thread, or a
-running Twisted reactor (docs/spark.md).
-"""
+running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 
@@ -206,14 +205,8 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
                  outputType: str = "binary", onError: str = "fail", errorCol: str = "error",
                  window: int = 64, timeout: float = 2.5, retries: int = 3,
                  dialect: str = "rfc") -> Any:
-    """One MDP request per row of *df*; returns *df* with the reply added.
-
-    *inputCol*: a string or binary column, or a list of them (one frame each;
-    strings sent UTF-8).  *outputType*: ``"binary"`` (the first reply frame),
-    ``"string"`` (it, decoded) or ``"frames"`` (``array<binary>``).  *onError*:
-    ``"fail"`` fails the task, ``"null"`` leaves the reply null, ``"column"``
-    also adds *errorCol* with the reason.  A null input is an error too.
-    Arguments are checked at once, on the driver (:func:`_service_call`)."""
+    """One MDP request per row of *df* (its *inputCol* columns, one frame each); returns *df*
+    with the reply added.  The options are in docs/spark.md; they are checked at once."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
@@ -226,12 +219,9 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
 def service_column(service: Union[str, bytes], broker: Union[str, Sequence[str]], *,
                    outputType: str = "binary", onError: str = "fail", window: int = 64,
                    timeout: float = 2.5, retries: int = 3, dialect: str = "rfc") -> Any:
-    """A column function: one MDP request per row of the columns it is given,
-    ``df.withColumn("reply", enrich(df.name))`` or in ``select``; several
-    columns are one frame each.  Arrow-native (``arrow_udf``, Spark 4.1 or
-    later), iterator form: one client per task for all its batches, ``window``
-    requests in flight.  *onError* as :func:`call_service`'s, ``"column"``
-    giving a ``struct<reply, error>``.  Arguments are checked at once."""
+    """A column function (``df.withColumn("reply", enrich(df.name))``): one MDP request per row
+    of the columns it is given, one frame each; an iterator ``arrow_udf`` (Spark 4.1 or later),
+    one client per task.  Options as :func:`call_service`'s (docs/spark.md)."""
     try:
         from pyspark.sql.functions import arrow_udf
     except ImportError as e:
@@ -299,10 +289,8 @@ def _output_schema(df: Any, inputs: list[str], added: list[str], outputType: str
 def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Sequence[str]], *,
                      batch: int = 1000, onError: str = "fail", window: int = 64,
                      timeout: float = 2.5, retries: int = 3, dialect: str = "rfc") -> Any:
-    """The RDD variant: each element (``bytes``, ``str`` or a sequence of them) is
-    one request; the result holds each reply's frames in order.  With
-    ``onError="null"`` a failure gives ``None``; ``"column"`` gives ``(frames or
-    None, error or None)`` pairs."""
+    """The RDD variant: each element (``bytes``, ``str`` or a sequence of them) is one
+    request; the result holds each reply's frames in order (docs/spark.md)."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError)
     whole_number("batch", batch)
 

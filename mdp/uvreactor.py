@@ -1,8 +1,7 @@
-"""Twisted's asyncio reactor over a uvloop event loop: what the ``twist`` plugins, the
-``mdp`` command and :func:`react` run on when no reactor is installed yet and uvloop
-imports (else Twisted's default).  A program installs it (``uvreactor.install()``)
-before anything imports ``twisted.internet.reactor``, or runs its main in
-:func:`react`; ``twist --reactor=epoll`` (or ``default``) opts out."""
+"""Twisted's asyncio reactor over a uvloop event loop: what the ``twist`` plugins, the ``mdp`` command
+and :func:`react` run on when no reactor is installed yet and uvloop imports (else Twisted's default).
+A program installs it (``uvreactor.install()``) before anything imports ``twisted.internet.reactor``,
+or runs its main in :func:`react`; ``twist --reactor=epoll`` (or ``default``) opts out."""
 
 from __future__ import annotations
 

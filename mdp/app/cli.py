@@ -2,8 +2,7 @@
 
 Exit status: 0 done; 1 for a timeout or an error; 2 for a usage mistake (before anything is sent)
 or a closed stdout; 3 for ``mdp titanic result`` while pending; 130 on Ctrl-C; 141 when stdout's
-reader has gone.  Errors are one line on stderr, never a traceback.
-"""
+reader has gone.  Errors are one line on stderr, never a traceback."""
 
 from __future__ import annotations
 

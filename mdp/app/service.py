@@ -195,14 +195,14 @@ class MetricsService(_FailableService):
         return defer.maybeDeferred(port.stopListening) if port else defer.succeed(None)
 
 
-class _ServerService(_FailableService):
-    """A server object (``listen(endpoint)``, ``close()``) on one endpoint."""
+class ServerService(_FailableService):
+    """Runs a server (``listen(endpoint)``, ``close()``; an SP REP, ...) on *endpoint*; *what*
+    names it in the log."""
 
-    what = "server"
-
-    def __init__(self, endpoint: str, server: Any, exitOnFailure: Optional[bool]) -> None:
+    def __init__(self, endpoint: str, server: Any, *, exitOnFailure: Optional[bool] = None,
+                 what: str = "server") -> None:
         super().__init__(server.reactor, exitOnFailure)
-        self.endpoint, self.server = endpoint, server
+        self.endpoint, self.server, self.what = endpoint, server, what
 
     def _start(self) -> defer.Deferred[Any]:
         return self.server.listen(self.endpoint).addErrback(
@@ -213,44 +213,26 @@ class _ServerService(_FailableService):
         return self.server.close()
 
 
-class FreelanceServerService(_ServerService):
+class FreelanceServerService(ServerService):
     """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
-
-    what = "Freelance server"
 
     def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
         from mdp.freelance import FreelanceServer
 
         transport.check(endpoint, transport.LISTEN)
-        super().__init__(endpoint, FreelanceServer(handler, reactor, **serverOptions), exitOnFailure)
+        super().__init__(endpoint, FreelanceServer(handler, reactor, **serverOptions),
+                         exitOnFailure=exitOnFailure, what="Freelance server")
 
 
-class SPServerService(_ServerService):
-    """Runs an :class:`~mdp.sp.peers.SPServer` (SP REP) on *endpoint*."""
-
-    what = "SP REP server"
-
-    def __init__(self, endpoint: str, handler: Any, reactor: Optional[Any] = None, *,
-                 exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
-        from mdp.sp.codec import endpoint_of
-        from mdp.sp.peers import SPServer
-
-        transport.check(endpoint_of(endpoint, listen=True), transport.LISTEN)
-        super().__init__(endpoint, SPServer(handler, reactor, **serverOptions), exitOnFailure)
-
-
-class SPDeviceService(_ServerService):
-    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back*, made when the service starts
-    (it dials *back* at once)."""
+class SPDeviceService(ServerService):
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back* (checked by the plugin's
+    options), made when the service starts (it dials *back* at once)."""
 
     what = "SP device"
 
     def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
-        from mdp.sp.codec import endpoint_of
-
-        transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
         self.endpoint, self.server = front, None
         self.back, self.deviceOptions = back, deviceOptions

@@ -598,9 +598,11 @@ class SPRepOptions(_ServiceOptions):
         checked_sp_endpoint(self["endpoint"], True, "endpoint")
 
     def newService(self, metrics: Any) -> Any:
-        return service.SPServerService(self["endpoint"], self.loadedHandler(), exitOnFailure=True,
-                                       limits=limits_of(self),
-                                       **keywords(self, "max-pending", "max-pending-bytes"))
+        from mdp.sp.peers import SPServer
+
+        server = SPServer(self.loadedHandler(), limits=limits_of(self),
+                          **keywords(self, "max-pending", "max-pending-bytes"))
+        return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="SP REP server")
 
     @staticmethod
     def loadHandler(spec: str) -> Any:

@@ -1,11 +1,9 @@
 """The MDP/0.2 client: Deferred-returning requests, many in flight at once.
 
-MDP/0.2 replies carry no request id, so the client keeps a pool of
-connections (DEALER sockets, or channels of one stream connection), each
-carrying **one request at a time**.  :class:`Client` drives
-:class:`~mdp.majordomo.client_machine.ClientMachine` (the state tables) over
-real transports; the caller's view is in docs/mdp.md.
-"""
+MDP/0.2 replies carry no request id, so the client keeps a pool of connections (DEALER sockets, or
+channels of one stream connection), each carrying **one request at a time**.  :class:`Client` drives
+:class:`~mdp.majordomo.client_machine.ClientMachine` (the state tables) over real transports; the
+caller's view is in docs/mdp.md."""
 
 from __future__ import annotations
 
@@ -90,9 +88,8 @@ classImplements(_ChannelPipe, IDealerReceiver)
 
 
 class ClientDriver:
-    """What :class:`Client` and :class:`mdp.blocking.Client` share: the
-    :class:`ClientMachine` (``machine``), its options and the actions both
-    perform alike; *clock* has ``seconds()``."""
+    """What :class:`Client` and :class:`mdp.blocking.Client` share: the :class:`ClientMachine` (``machine``),
+    its options and the actions both perform alike; *clock* has ``seconds()``."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], clock: Any, *, limits: Limits,
                  curveServerPublic: Optional[str], curveSecret: Optional[str], **options: Any) -> None:
@@ -176,12 +173,8 @@ class Client(ClientDriver):
                 retries: Optional[int] = None,
                 onPartial: Optional[Callable[[list[bytes]], Any]] = None,
                 onRestart: Optional[Callable[[], Any]] = None) -> defer.Deferred[list[bytes]]:
-        """Send a request; the Deferred fires with the FINAL body frames.
-        *timeout* is the seconds of **one attempt**, *retries* the attempts in
-        all (defaults: the client's).  *onPartial* gets each PARTIAL body,
-        *onRestart* is called when the reply starts over.  Caller mistakes
-        raise at once; everything else fails the Deferred.  Cancelling the
-        Deferred abandons the request."""
+        """Send a request; the Deferred fires with the FINAL body frames (docs/mdp.md).
+        *timeout* is the seconds of **one attempt**, *retries* the attempts in all."""
         now = self.reactor.seconds()
         machine = self.machine
         try:
@@ -271,12 +264,8 @@ _RESTARTED = object()  # in a ReplyStream's queue: the stream started over here
 
 
 class ReplyStream:
-    """Async iterator over the reply parts of one request
-    (:meth:`Client.stream`).  Given a *reactor*, a waiting consumer is woken
-    once a reactor turn for all the parts that came meanwhile.  If the reply
-    starts over after parts were taken, the next ``__anext__`` raises
-    :class:`~mdp.errors.StreamRestarted`; iterating again yields the new
-    attempt's parts from the beginning."""
+    """Async iterator over the reply parts of one request (:meth:`Client.stream`); given
+    a *reactor*, a waiting consumer is woken once a turn for the parts that came."""
 
     def __init__(self, reactor: Any = None) -> None:
         self._parts: deque[Any] = deque()

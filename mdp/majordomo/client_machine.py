@@ -42,11 +42,9 @@ UP,    pipe broke          DOWN   tell the client (a STREAMING request restarts)
 SENT
 =====  ==================  =====  ====================================================
 
-A reply on a connection carrying nothing, or one whose request timed out,
-discards that connection.  With ``stamp=True`` each request carries the
-client's id and a sequence number, the same on each retry
-(:mod:`mdp.majordomo.idempotence`).
-"""
+A reply on a connection carrying nothing, or one whose request timed out, discards that connection.
+With ``stamp=True`` each request carries the client's id and a sequence number, the same on each
+retry (:mod:`mdp.majordomo.idempotence`)."""
 
 from __future__ import annotations
 
@@ -128,8 +126,7 @@ _UNREACHABLE = {errno.ENOENT: "no such socket", errno.ECONNREFUSED: "connection 
 
 
 def unreachable(error: BaseException) -> Optional[str]:
-    """Why a failed connection attempt means nobody is there at all, or None
-    if it may be passing."""
+    """Why a failed connection attempt means nobody is there at all, or None if it may be passing."""
     from twisted.internet import error as net
 
     if isinstance(error, net.ConnectionRefusedError):
@@ -300,8 +297,7 @@ class ClientMachine(Machine):
         return timeout, retries
 
     def fresh(self, now: float) -> ClientMachine:
-        """A machine with this one's options and stamps and nothing in flight
-        (closed if this one is)."""
+        """A machine with this one's options and stamps and nothing in flight (closed if this one is)."""
         machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
@@ -338,9 +334,8 @@ class ClientMachine(Machine):
         return self._drain()
 
     def handleConnectFailed(self, channel: _Channel, error: BaseException, now: float) -> list[Action]:
-        """A connection attempt failed.  Until some broker was reached, an
-        endpoint nobody is at is left at once, and when all are so, pending
-        requests fail with :class:`BrokerUnreachable`."""
+        """A connection attempt failed.  Until some broker was reached, an endpoint nobody is at is left at
+        once, and when all are so, pending requests fail with :class:`BrokerUnreachable`."""
         self.now = now
         if channel not in self._channels:
             return self._drain()

@@ -1,10 +1,9 @@
-"""MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back, as
-pure functions over ``bytes`` frames without the ROUTER routing-id frame.
+"""MDP/0.2 wire codec (ZeroMQ RFC 18): frames to typed commands and back, as pure functions over
+``bytes`` frames without the ROUTER routing-id frame.
 
-Dialects (docs/mdp.md): ``"rfc"`` is RFC 18; ``"majortomo"`` puts an empty
-frame before the header, gives MDP/Client commands the worker codes and sends
-PARTIAL and FINAL without a service frame (decoded with ``service == b""``).
-"""
+Dialects (docs/mdp.md): ``"rfc"`` is RFC 18; ``"majortomo"`` puts an empty frame before the header,
+gives MDP/Client commands the worker codes and sends PARTIAL and FINAL without a service frame
+(decoded with ``service == b""``)."""
 
 from __future__ import annotations
 

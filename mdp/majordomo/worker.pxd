@@ -18,14 +18,14 @@ cdef class WorkerMachine(Machine):
 # what both drivers share (the blocking one is a class of the source)
 cdef class WorkerDriver:
     cdef public WorkerMachine machine
-    cdef public object handler, curve, throttle, requestsServed
+    cdef public object handler, curve, throttle, requestsServed, replies, transport
 
 # the Twisted driver: an instance dictionary and weak references, as a class
 # of the source has
 cdef class Worker(WorkerDriver):
     cdef dict __dict__
     cdef object __weakref__
-    cdef public object reactor, replies, transport, streamPauses, _reconnectCall, _ticker
+    cdef public object reactor, streamPauses, _reconnectCall, _ticker
     cdef public object _lastTick, _handlerBlockEnded, metrics
 
     # a request's path, through C calls (cpdef: also callbacks and Python's)

@@ -1,14 +1,12 @@
-"""The MDP/0.2 worker: serves one service through a broker.  What a handler
-may return is in docs/mdp.md ("Worker").  Stamped requests
-(:mod:`mdp.majordomo.idempotence`) are unstamped first; with a reply store
-(``replies=``) one already answered is answered from it.  A handler exception
-is answered with a 500, a reply part over the limits with a 413.
+"""The MDP/0.2 worker: serves one service through a broker.  What a handler may return is in
+docs/mdp.md ("Worker").  Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first;
+with a reply store (``replies=``) one already answered is answered from it.  A handler exception is
+answered with a 500, a reply part over the limits with a 413.
 
 Theory of operation
 -------------------
-:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is
-one pipe to the current endpoint of a failover list; opening a pipe counts as
-hearing the broker, so a pipe that never comes up fails over too.
+:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is one pipe to the current
+endpoint of a failover list; opening a pipe counts as hearing the broker, so one never up fails over too.
 
 =============  ==========================  ============  ==================================================
 state          event                       next          actions
@@ -29,11 +27,9 @@ BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
 any            ``stop()``                  STOPPED       DISCONNECT if READY; close
 =============  ==========================  ============  ==================================================
 
-Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also
-reset ``refusals``.  Messages while STOPPED or BACKING_OFF are ignored.  Every
-new or lost pipe bumps the *generation*: a reply for an older one is dropped
-(the broker re-queued it).
-"""
+Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also reset ``refusals``.
+Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost pipe bumps the *generation*: a
+reply for an older one is dropped (the broker re-queued it)."""
 
 from __future__ import annotations
 
@@ -51,7 +47,7 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import reply_frames
-from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport, IWorker
+from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.client_machine import check_count, unreachable
@@ -374,6 +370,8 @@ class WorkerDriver:
                                      now=clock.seconds(), **options)
         self.throttle = LogThrottle(clock)
         self.requestsServed = 0
+        self.replies: Optional[idempotence.IReplyStore] = None
+        self.transport: Any = None  # the pipe to the broker
 
     concurrency = property(lambda self: len(self.sessions),
                            doc="How many requests this worker serves at once (its sessions).")
@@ -392,6 +390,25 @@ class WorkerDriver:
                           "pipe is up whether or not anyone listens).")
     current = machine_view("current", "The address of the client being served, if one is.")
     generation = machine_view("generation", "Bumped on every new or lost pipe.")
+
+    def _act(self, action: Action) -> Any:
+        """What both drivers do alike; a pipe's closing, if any."""
+        kind = type(action)
+        if kind is StoreReply:
+            if self.replies is not None:
+                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
+                    _storeFailed)
+        elif kind is OpenPipe:
+            self._open(action.endpoint)
+        elif kind is ClosePipe:
+            pipe, self.transport = self.transport, None
+            if pipe is not None:
+                return pipe.close()
+        else:
+            self._report(action)
+            if kind is ReopenAfter:
+                self._reopenAfter(action.delay)
+        return None
 
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
@@ -433,12 +450,8 @@ class WorkerDriver:
 
 
 class Worker(WorkerDriver):
-    """An MDP/0.2 worker for one *service*: the :class:`WorkerMachine` driven
-    over a real transport, one broker at a time.  *endpoint* (one, or a
-    failover list) is checked at once (:class:`~mdp.errors.TransportError`).
-    With *concurrency* N it registers N worker sessions (this one first, in
-    :attr:`sessions`), sharing a connection where the transport allows
-    (docs/mdp.md, "Serving several requests at once")."""
+    """An MDP/0.2 worker for one *service* over a real transport, one broker at a time
+    (docs/mdp.md); with *concurrency* N, N worker sessions (this one first, in :attr:`sessions`)."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, *,
@@ -454,7 +467,6 @@ class Worker(WorkerDriver):
         super().__init__(endpoint, service, handler, reactor, **options)
         self.reactor = reactor
         self.replies = replies
-        self.transport: Optional[IDealerTransport] = None
         self.streamPauses = 0  # times a stream waited for the queue to drain
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
@@ -554,26 +566,11 @@ class Worker(WorkerDriver):
                 closing = self._act(action) or closing
         return closing
 
-    def _act(self, action: Action) -> Optional[defer.Deferred[None]]:
-        kind = type(action)
-        if kind is StoreReply:
-            if self.replies is not None:
-                defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
-                    _storeFailed)
-        elif kind is OpenPipe:
-            self._open(action.endpoint)
-        elif kind is ClosePipe:
-            pipe, self.transport = self.transport, None
-            if pipe is not None:
-                return pipe.close()
-        else:
-            self._report(action)
-            if kind is ReopenAfter:
-                cancel_call(self._reconnectCall)
-                self._reconnectCall = self.reactor.callLater(action.delay, self._reopen)
-                if self.metrics is not None:
-                    self.metrics.reconnected(self.service)
-        return None
+    def _reopenAfter(self, delay: float) -> None:
+        cancel_call(self._reconnectCall)
+        self._reconnectCall = self.reactor.callLater(delay, self._reopen)
+        if self.metrics is not None:
+            self.metrics.reconnected(self.service)
 
     def _open(self, endpoint: str) -> None:
         options = dict(retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
