@@ -24,7 +24,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, default_reactor
+from mdp.policy import JITTER, Backoff, Limits, LogThrottle, default_reactor
 from mdp.transport.loopback import LoopbackDealer, LoopbackRouter
 from mdp.transport.registry import (
     CONNECT,
@@ -274,9 +274,95 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
                   limits: Limits = Limits(), security: Any = None) -> IPeerRouterTransport:
     """A connecting ROUTER (:class:`IPeerRouterTransport`); add servers with
     its ``connect(endpoint)``.  *security* applies to ``zmq:`` servers."""
-    from mdp.transport.peers import PeerRouter
-
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
+
+
+class _PeerPipe:
+    """Receives for one endpoint's DEALER and forwards with the endpoint name."""
+
+    def __init__(self, owner: PeerRouter, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.connected = False
+
+    def connectionMade(self) -> None:
+        self.connected = True
+
+    def connectionLost(self, reason: object) -> None:
+        self.connected = False
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.owner.receiver.messageReceived(self.endpoint, frames)
+
+
+#: Reconnection to a server that went away: quick, as the agent PINGs every second.
+_PEER_RECONNECT = Backoff(initial=0.25, maximum=2.0, jitter=JITTER)
+
+
+@implementer(IPeerRouterTransport)
+class PeerRouter:
+    """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through one pipe each."""
+
+    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any = None, *,
+                 limits: Limits = Limits(), curve: Any = None) -> None:
+        self.receiver = receiver
+        self.curve = curve
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.pipes: dict[str, tuple[_PeerPipe, IDealerTransport]] = {}
+        self.zmq: Optional[Any] = None
+        #: servers whose connection could not be opened, tried at their next message
+        self.unconnected: set[str] = set()
+        self.throttle = LogThrottle(self.reactor)
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to the server at *endpoint*; if no socket can be had, try
+        again at the next message for it."""
+        if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
+            return
+        zmq = lookup(endpoint, CONNECT).name == "zmq"  # (bad ones raise)
+        try:
+            if zmq:
+                if self.zmq is None:
+                    from mdp.transport.zeromq import ZmqPeerRouter
+
+                    self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits,
+                                             curve=self.curve)
+                self.zmq.connect(endpoint)
+            else:
+                pipe = _PeerPipe(self, endpoint)
+                self.pipes[endpoint] = (pipe, connect(
+                    endpoint, pipe, self.reactor, retryPolicy=_PEER_RECONNECT.retryPolicy(),
+                    limits=self.limits))
+        except Exception as e:
+            self.unconnected.add(endpoint)
+            self.throttle.warn(_log, f"connect {endpoint}", "connecting router: cannot connect "
+                               "to {endpoint}: {error}; tries again at its next message",
+                               endpoint=endpoint, error=e)
+        else:
+            self.unconnected.discard(endpoint)
+
+    def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
+        if endpoint in self.unconnected:
+            self.connect(endpoint)
+            if endpoint in self.unconnected:
+                return
+        entry = self.pipes.get(endpoint)
+        if entry is not None:
+            pipe, dealer = entry
+            if pipe.connected:  # like a ROUTER: nothing is queued for an absent peer
+                dealer.sendMessage(frames)
+        elif self.zmq is not None:
+            self.zmq.sendMessage(endpoint, frames)
+
+    def close(self) -> defer.Deferred[None]:
+        closing = [dealer for _, dealer in self.pipes.values()]
+        self.pipes.clear()
+        self.unconnected.clear()
+        if self.zmq is not None:
+            closing.append(self.zmq)
+            self.zmq = None
+        return close_all(closing, "a Freelance connection")
 
 
 _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-Za-z0-9._-]*)$")
