@@ -174,10 +174,8 @@ def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[s
     return {"security": security}
 
 
-def listen(
-    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
-    limits: Limits = Limits(), security: Any = None,
-) -> defer.Deferred[IRouterTransport]:
+def listen(endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
+           limits: Limits = Limits(), security: Any = None) -> defer.Deferred[IRouterTransport]:
     """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing *limits*
     (*security*: a :class:`~mdp.transport.curve.CurveServer`).  A malformed
     endpoint raises :class:`TransportError`; a failure to bind fails with one."""
@@ -187,11 +185,9 @@ def listen(
                                default_reactor(reactor), limits, **extra)
 
 
-def connect(
-    endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = None, *,
-    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
-    identity: Optional[bytes] = None, security: Any = None,
-) -> IDealerTransport:
+def connect(endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = None, *,
+            retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+            identity: Optional[bytes] = None, security: Any = None) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade`` once
     usable); *retryPolicy* (attempt -> seconds) paces reconnection, *identity*
     is the peer id the far side sees, *security* a ``CurveClient``."""
@@ -249,11 +245,9 @@ def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
     return defer.DeferredList(closing, consumeErrors=True).addCallback(closed)
 
 
-def connect_channels(
-    endpoint: str, reactor: Optional[Any] = None, *,
-    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
-    security: Any = None, relayProbe: Optional[list[bytes]] = None,
-) -> IDealerChannels:
+def connect_channels(endpoint: str, reactor: Optional[Any] = None, *,
+                     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+                     security: Any = None, relayProbe: Optional[list[bytes]] = None) -> IDealerChannels:
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one connection where the scheme
     has channels, or on ``zmq:`` given *relayProbe*, as relay hops on one DEALER if the server answers it
     (:mod:`.zmqchannels`); the other arguments are :func:`connect`'s."""
@@ -426,8 +420,7 @@ register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback
 
 
 def _register_more() -> None:
-    """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:`` and
-    ``loopback:`` (:mod:`mdp.session.transport`, imported at first use)."""
+    """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:``, ``loopback:`` (imported at first use)."""
     from mdp.transport import stream
 
     for name in stream.STREAM_SCHEMES:

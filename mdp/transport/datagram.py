@@ -15,8 +15,7 @@ from zope.interface import implementer
 from mdp.errors import TransportError
 from mdp.interfaces import IDatagramReceiver, IDatagramTransport
 from mdp.policy import LogThrottle, default_reactor
-from mdp.transport.loopback import LoopbackNetwork as LoopbackDatagramNetwork
-from mdp.transport.loopback import network
+from mdp.transport.loopback import LoopbackNetwork, network
 from mdp.transport.registry import check_port, split_description
 
 log = Logger()
@@ -195,7 +194,7 @@ class LoopbackDatagrams:
     sends (itself too), one reactor turn later."""
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
-                 net: LoopbackDatagramNetwork = network) -> None:
+                 net: LoopbackNetwork = network) -> None:
         self.spec = spec
         self.host = spec.host
         self.receiver = receiver

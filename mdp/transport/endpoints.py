@@ -69,10 +69,8 @@ def server_description(endpoint: str) -> str:
     :data:`LISTEN_BACKLOG` unless ``backlog=`` is given."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
-        rest = ":".join(
-            "interface=" + p[len("host="):] if p.startswith("host=") else p
-            for p in rest.split(":")
-        )
+        rest = ":".join("interface=" + p[len("host="):] if p.startswith("host=") else p
+                        for p in rest.split(":"))
     elif kind == "unix" and rest.startswith("path="):
         rest = f"address={rest[len('path='):]}"
     if kind in ("tcp", "tcp6", "ssl", "unix") and "backlog=" not in rest:

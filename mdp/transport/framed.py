@@ -158,9 +158,7 @@ class FramedProtocol(Protocol):
     def reportUnfinished(self) -> None:
         """At connectionLost: warn if the peer closed in the middle of a message."""
         decoder = getattr(self, "decoder", None)
-        if decoder is None:
-            return
-        if not (self.dropped or self.closedHere) and decoder.inRecord:
+        if decoder is not None and not (self.dropped or self.closedHere) and decoder.inRecord:
             self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
                        "message ({held} bytes of it received): that message is lost",
                        held=decoder.buffered)

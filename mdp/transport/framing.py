@@ -25,14 +25,12 @@ Buffer = Union[bytes, bytearray, memoryview]
 #: mdp.transport._records (the two functions below in C), or None
 _inC: Any = _compiled.accelerator("mdp.transport._records")
 
-#: Pieces of a frame at least this long are kept as views (copied once, into
-#: the frame); shorter ones are gathered in one buffer.
+#: Pieces of a frame at least this long are kept as views, shorter ones gathered in one buffer.
 _PIECE_BYTES = 4096
 
 
 class OverBudget(ProtocolError):
-    """The process's unfinished stream records would pass
-    ``Limits.maxBufferedBytes``: the oldest one's connection is closed."""
+    """Unfinished stream records would pass ``Limits.maxBufferedBytes``: the oldest's connection closes."""
 
 
 class InputBudget:
@@ -48,8 +46,7 @@ class InputBudget:
         self._trimmed = 0.0
 
     def charge(self, decoder: Any, size: int, limit: int) -> None:
-        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
-        the oldest (raise if that is this one)."""
+        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop the oldest (raise if this)."""
         holders = self.holders
         if not decoder._charged:
             if not size:
