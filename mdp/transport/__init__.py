@@ -69,8 +69,7 @@ def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -
 
 
 def curve_for(endpoint: str, curve: Any) -> Any:
-    """A node's CURVE settings for *endpoint* (``zmq:`` only, else None);
-    :class:`TransportError` for ``session+zmq:``, which would run without."""
+    """A node's CURVE settings for *endpoint* (``zmq:`` only); ``TransportError`` for ``session+zmq:``."""
     if curve is None:
         return None
     if endpoint.startswith("session+zmq:"):
@@ -80,8 +79,7 @@ def curve_for(endpoint: str, curve: Any) -> Any:
 
 
 def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str], secretFile: Optional[str]) -> Any:
-    """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
-    without a server key), checked now by :func:`check_curve_client`."""
+    """A connecting node's CURVE client (None without a server key), checked by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
@@ -144,12 +142,9 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     return security
 
 
-#: what a node's open MDP endpoint lets anyone do, and what to do about it
-OPEN_MDP = ("anyone who can reach it may call any service or serve one. Use CURVE "
-            "(curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=)")
-
-
-def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) -> bool:
+def warn_if_open(endpoint: str, security: Any, what: str,
+                 risk: str = "anyone who can reach it may call any service or serve one. Use CURVE "
+                             "(curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=)") -> bool:
     """Warn if *endpoint* takes unauthenticated peers from other machines
     (*risk*: what they may do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):

@@ -190,8 +190,7 @@ class UDPDatagrams(DatagramProtocol):
 
 @implementer(IDatagramTransport)
 class LoopbackDatagrams:
-    """An in-memory datagram socket: every member of the network hears what any
-    sends (itself too), one reactor turn later."""
+    """In-memory: every member of the network hears what any sends (itself too) a reactor turn later."""
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
                  net: LoopbackNetwork = network) -> None:

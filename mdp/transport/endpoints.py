@@ -65,8 +65,7 @@ def raise_descriptor_limit() -> int:
 
 
 def server_description(endpoint: str) -> str:
-    """A server description, accepting the client forms too, with
-    :data:`LISTEN_BACKLOG` unless ``backlog=`` is given."""
+    """A server description (client forms too), with :data:`LISTEN_BACKLOG` unless it gives ``backlog=``."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
         rest = ":".join("interface=" + p[len("host="):] if p.startswith("host=") else p

@@ -24,8 +24,7 @@ _ids = itertools.count(1)
 
 
 class LoopbackNetwork:
-    """A namespace of loopback listeners and datagram networks (``members``, by
-    name).  Most code uses :data:`network`."""
+    """Loopback listeners and datagram networks (``members``) by name; most code uses :data:`network`."""
 
     def __init__(self) -> None:
         self.listeners: dict[str, LoopbackRouter] = {}
