@@ -50,8 +50,8 @@ def authorities(path: str) -> list[Any]:
 
 
 def server_endpoint(reactor: Any, *args: str, **kwargs: str) -> Any:
-    """The SSL server endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA`` (``interface=``,
-    ``backlog=``): only client certificates ``caCerts`` signed."""
+    """The SSL server endpoint of ``mtls:PORT:privateKey=KEY:certKey=CERT:caCerts=CA``
+    (``interface=``, ``backlog=``): only client certificates ``caCerts`` signed."""
     from twisted.internet import ssl
     from twisted.internet.endpoints import SSL4ServerEndpoint
 
