@@ -20,8 +20,7 @@ from mdp.transport.registry import check_port, split_description
 
 log = Logger()
 
-#: The multicast group beacons go to on loopback, as Zyre's do.
-DEFAULT_GROUP = "225.25.25.25"
+DEFAULT_GROUP = "225.25.25.25"  #: The multicast group beacons go to on loopback, as Zyre's do.
 
 
 @attrs.frozen

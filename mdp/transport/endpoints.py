@@ -20,10 +20,8 @@ try:
 except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-#: descriptors kept back, at the least, for all else a process opens
-DESCRIPTOR_RESERVE = 64
-#: select() watches descriptors below this only (FD_SETSIZE)
-SELECT_LIMIT = 1024
+DESCRIPTOR_RESERVE = 64  #: descriptors kept back, at the least, for all else a process opens
+SELECT_LIMIT = 1024  #: select() watches descriptors below this only (FD_SETSIZE)
 
 
 def descriptor_budget() -> Optional[int]:

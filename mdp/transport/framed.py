@@ -28,15 +28,13 @@ class FramedProtocol(Protocol):
 
     limits: Limits = Limits()
     framing: IFraming = RECORDS
-    #: the identity a connecting side announces in its greeting
-    identity: Optional[bytes] = None
+    identity: Optional[bytes] = None  #: the identity a connecting side announces in its greeting
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
     dropped = False  # deliver nothing more
     closedHere = False
     refusal: Optional[ProtocolError] = None
-    #: mdp.uvreactor may read without Twisted's legacy log context
-    needsLogContext = False
+    needsLogContext = False  #: mdp.uvreactor may read without Twisted's legacy log context
 
     _out: list[bytes]
     _outBytes = 0

@@ -86,8 +86,7 @@ class InputBudget:
             self._trim(0)
 
 
-#: The process's budget for unfinished stream records.
-BUFFERED = InputBudget()
+BUFFERED = InputBudget()  #: The process's budget for unfinished stream records.
 
 
 def encode_record(frames: list[bytes]) -> bytes:
@@ -195,8 +194,7 @@ class RecordDecoder(ChargedDecoder):
         #: the frame in progress: large pieces as views, small ones in ``_buf``
         self._pieces: list[Buffer] = []
         self._buf = bytearray()
-        #: the identity the peer's greeting announced, if any
-        self.identity: Optional[bytes] = None
+        self.identity: Optional[bytes] = None  #: the identity the peer's greeting announced, if any
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
@@ -358,5 +356,4 @@ class LengthPrefixedFraming:
         return RecordDecoder(limits, self.channels)
 
 
-#: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.
-RECORDS = LengthPrefixedFraming()
+RECORDS = LengthPrefixedFraming()  #: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.

@@ -29,8 +29,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _READ_SIZE = 262144
 
-#: stream schemes the blocking nodes speak (no TLS)
-STREAM_SCHEMES = ("tcp", "unix")
+STREAM_SCHEMES = ("tcp", "unix")  #: stream schemes the blocking nodes speak (no TLS)
 
 #: the longest wait one poll takes (its timeout is a C int of milliseconds)
 _MAX_WAIT_MS = 2**31 - 1
@@ -66,8 +65,7 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
-#: messages a DEALER queues each way (its HWMs)
-_HIGH_WATER_MARK = 1000
+_HIGH_WATER_MARK = 1000  #: messages a DEALER queues each way (its HWMs)
 
 
 class _ZmqPipe:
@@ -458,8 +456,7 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: the channels of a stale discard that saw a record begun
-        self.skip: Any = 0
+        self.skip: Any = 0  #: the channels of a stale discard that saw a record begun
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
