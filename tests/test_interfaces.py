@@ -166,7 +166,7 @@ def _zmq_dealer() -> Any:
 
 
 def _peer_router() -> Any:
-    from mdp.transport.peers import PeerRouter
+    from mdp.transport import PeerRouter
 
     return PeerRouter(_Receiver(), _clock())
 
@@ -306,7 +306,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.transport.zeromq.ZmqDealer": _zmq_dealer,
     "mdp.transport.zmqchannels.ZmqChannels": _zmq_channels,
     "mdp.transport.zmqchannels.ZmqChannel": _zmq_channel,
-    "mdp.transport.peers.PeerRouter": _peer_router,
+    "mdp.transport.PeerRouter": _peer_router,
     "mdp.testing._Router": _script_router,
     "mdp.testing._Pipe": _script_pipe,
     "mdp.interfaces.DealerReceiver": _bare("mdp.interfaces.DealerReceiver"),

@@ -24,7 +24,7 @@ from mdp.interfaces import (
     IRouterReceiver,
     IRouterTransport,
 )
-from mdp.policy import Limits, default_reactor
+from mdp.policy import JITTER, Backoff, Limits, LogThrottle, default_reactor
 from mdp.transport.loopback import LoopbackDealer, LoopbackRouter
 from mdp.transport.registry import (
     CONNECT,
@@ -69,8 +69,7 @@ def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -
 
 
 def curve_for(endpoint: str, curve: Any) -> Any:
-    """A node's CURVE settings for *endpoint* (``zmq:`` only, else None);
-    :class:`TransportError` for ``session+zmq:``, which would run without."""
+    """A node's CURVE settings for *endpoint* (``zmq:`` only); ``TransportError`` for ``session+zmq:``."""
     if curve is None:
         return None
     if endpoint.startswith("session+zmq:"):
@@ -80,8 +79,7 @@ def curve_for(endpoint: str, curve: Any) -> Any:
 
 
 def curve_client_for(endpoints: list[str], serverPublicFile: Optional[str], secretFile: Optional[str]) -> Any:
-    """A connecting node's :class:`~mdp.transport.curve.CurveClient` (None
-    without a server key), checked now by :func:`check_curve_client`."""
+    """A connecting node's CURVE client (None without a server key), checked by :func:`check_curve_client`."""
     from mdp.transport.curve import curve_client
 
     curve = curve_client(serverPublicFile, secretFile)
@@ -144,12 +142,9 @@ def curve_listen_for(endpoint: str, curve: Any) -> Any:
     return security
 
 
-#: what a node's open MDP endpoint lets anyone do, and what to do about it
-OPEN_MDP = ("anyone who can reach it may call any service or serve one. Use CURVE "
-            "(curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=)")
-
-
-def warn_if_open(endpoint: str, security: Any, what: str, risk: str = OPEN_MDP) -> bool:
+def warn_if_open(endpoint: str, security: Any, what: str,
+                 risk: str = "anyone who can reach it may call any service or serve one. Use CURVE "
+                             "(curveSecret and curveAllow) or mutual TLS (ssl: with caCerts=)") -> bool:
     """Warn if *endpoint* takes unauthenticated peers from other machines
     (*risk*: what they may do, and the remedy); whether it did."""
     if not beyond_loopback(endpoint) or authenticated(endpoint, security):
@@ -174,10 +169,8 @@ def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[s
     return {"security": security}
 
 
-def listen(
-    endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
-    limits: Limits = Limits(), security: Any = None,
-) -> defer.Deferred[IRouterTransport]:
+def listen(endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
+           limits: Limits = Limits(), security: Any = None) -> defer.Deferred[IRouterTransport]:
     """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing *limits*
     (*security*: a :class:`~mdp.transport.curve.CurveServer`).  A malformed
     endpoint raises :class:`TransportError`; a failure to bind fails with one."""
@@ -187,11 +180,9 @@ def listen(
                                default_reactor(reactor), limits, **extra)
 
 
-def connect(
-    endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = None, *,
-    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
-    identity: Optional[bytes] = None, security: Any = None,
-) -> IDealerTransport:
+def connect(endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = None, *,
+            retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+            identity: Optional[bytes] = None, security: Any = None) -> IDealerTransport:
     """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade`` once
     usable); *retryPolicy* (attempt -> seconds) paces reconnection, *identity*
     is the peer id the far side sees, *security* a ``CurveClient``."""
@@ -249,11 +240,9 @@ def close_all(closables: Iterable[Any], what: str) -> defer.Deferred[None]:
     return defer.DeferredList(closing, consumeErrors=True).addCallback(closed)
 
 
-def connect_channels(
-    endpoint: str, reactor: Optional[Any] = None, *,
-    retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
-    security: Any = None, relayProbe: Optional[list[bytes]] = None,
-) -> IDealerChannels:
+def connect_channels(endpoint: str, reactor: Optional[Any] = None, *,
+                     retryPolicy: Optional[Callable[[int], float]] = None, limits: Limits = Limits(),
+                     security: Any = None, relayProbe: Optional[list[bytes]] = None) -> IDealerChannels:
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one connection where the scheme
     has channels, or on ``zmq:`` given *relayProbe*, as relay hops on one DEALER if the server answers it
     (:mod:`.zmqchannels`); the other arguments are :func:`connect`'s."""
@@ -274,9 +263,95 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
                   limits: Limits = Limits(), security: Any = None) -> IPeerRouterTransport:
     """A connecting ROUTER (:class:`IPeerRouterTransport`); add servers with
     its ``connect(endpoint)``.  *security* applies to ``zmq:`` servers."""
-    from mdp.transport.peers import PeerRouter
-
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
+
+
+class _PeerPipe:
+    """Receives for one endpoint's DEALER and forwards with the endpoint name."""
+
+    def __init__(self, owner: PeerRouter, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.connected = False
+
+    def connectionMade(self) -> None:
+        self.connected = True
+
+    def connectionLost(self, reason: object) -> None:
+        self.connected = False
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        self.owner.receiver.messageReceived(self.endpoint, frames)
+
+
+#: Reconnection to a server that went away: quick, as the agent PINGs every second.
+_PEER_RECONNECT = Backoff(initial=0.25, maximum=2.0, jitter=JITTER)
+
+
+@implementer(IPeerRouterTransport)
+class PeerRouter:
+    """Routes by endpoint: ZeroMQ through one native ROUTER, the rest through one pipe each."""
+
+    def __init__(self, receiver: IPeerRouterReceiver, reactor: Any = None, *,
+                 limits: Limits = Limits(), curve: Any = None) -> None:
+        self.receiver = receiver
+        self.curve = curve
+        self.reactor = default_reactor(reactor)
+        self.limits = limits
+        self.pipes: dict[str, tuple[_PeerPipe, IDealerTransport]] = {}
+        self.zmq: Optional[Any] = None
+        #: servers whose connection could not be opened, tried at their next message
+        self.unconnected: set[str] = set()
+        self.throttle = LogThrottle(self.reactor)
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to the server at *endpoint*; if no socket can be had, try
+        again at the next message for it."""
+        if endpoint in self.pipes or (self.zmq is not None and endpoint in self.zmq.endpoints):
+            return
+        zmq = lookup(endpoint, CONNECT).name == "zmq"  # (bad ones raise)
+        try:
+            if zmq:
+                if self.zmq is None:
+                    from mdp.transport.zeromq import ZmqPeerRouter
+
+                    self.zmq = ZmqPeerRouter(self.receiver, self.reactor, limits=self.limits,
+                                             curve=self.curve)
+                self.zmq.connect(endpoint)
+            else:
+                pipe = _PeerPipe(self, endpoint)
+                self.pipes[endpoint] = (pipe, connect(
+                    endpoint, pipe, self.reactor, retryPolicy=_PEER_RECONNECT.retryPolicy(),
+                    limits=self.limits))
+        except Exception as e:
+            self.unconnected.add(endpoint)
+            self.throttle.warn(_log, f"connect {endpoint}", "connecting router: cannot connect "
+                               "to {endpoint}: {error}; tries again at its next message",
+                               endpoint=endpoint, error=e)
+        else:
+            self.unconnected.discard(endpoint)
+
+    def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
+        if endpoint in self.unconnected:
+            self.connect(endpoint)
+            if endpoint in self.unconnected:
+                return
+        entry = self.pipes.get(endpoint)
+        if entry is not None:
+            pipe, dealer = entry
+            if pipe.connected:  # like a ROUTER: nothing is queued for an absent peer
+                dealer.sendMessage(frames)
+        elif self.zmq is not None:
+            self.zmq.sendMessage(endpoint, frames)
+
+    def close(self) -> defer.Deferred[None]:
+        closing = [dealer for _, dealer in self.pipes.values()]
+        self.pipes.clear()
+        self.unconnected.clear()
+        if self.zmq is not None:
+            closing.append(self.zmq)
+            self.zmq = None
+        return close_all(closing, "a Freelance connection")
 
 
 _ZMQ_HOST = re.compile(r"^(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]|[A-Za-z0-9_][A-Za-z0-9._-]*)$")
@@ -340,8 +415,7 @@ register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback
 
 
 def _register_more() -> None:
-    """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:`` and
-    ``loopback:`` (:mod:`mdp.session.transport`, imported at first use)."""
+    """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:``, ``loopback:`` (imported at first use)."""
     from mdp.transport import stream
 
     for name in stream.STREAM_SCHEMES:

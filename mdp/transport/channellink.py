@@ -12,8 +12,7 @@ from twisted.internet.error import ConnectionDone, ConnectionLost
 from mdp.policy import RECONNECT, Limits, held_bytes
 from mdp.transport.framing import LengthPrefixedFraming, encode_record
 
-#: what ends a channel: a record of no frames
-END = encode_record([])
+END = encode_record([])  #: what ends a channel: a record of no frames
 
 #: what a record on a channel means (:meth:`ChannelLink.received`)
 DELIVER, IGNORE, STALE, ENDED = range(4)
@@ -32,10 +31,8 @@ class Channel:
         self.id = b""
         self.up = False
         self.closed = False
-        #: times in a row the far side ended it (paces bringing it up again)
-        self.ends = 0
-        #: ended by the far side, its delay not over
-        self.waiting = False
+        self.ends = 0  #: times in a row the far side ended it (paces bringing it up again)
+        self.waiting = False  #: ended by the far side, its delay not over
         #: what it sent while not up, in order (None: nothing)
         self.held: Optional[deque[list[bytes]]] = None
         self.heldBytes = 0

@@ -15,14 +15,12 @@ from zope.interface import implementer
 from mdp.errors import TransportError
 from mdp.interfaces import IDatagramReceiver, IDatagramTransport
 from mdp.policy import LogThrottle, default_reactor
-from mdp.transport.loopback import LoopbackNetwork as LoopbackDatagramNetwork
-from mdp.transport.loopback import network
+from mdp.transport.loopback import LoopbackNetwork, network
 from mdp.transport.registry import check_port, split_description
 
 log = Logger()
 
-#: The multicast group beacons go to on loopback, as Zyre's do.
-DEFAULT_GROUP = "225.25.25.25"
+DEFAULT_GROUP = "225.25.25.25"  #: The multicast group beacons go to on loopback, as Zyre's do.
 
 
 @attrs.frozen
@@ -191,11 +189,10 @@ class UDPDatagrams(DatagramProtocol):
 
 @implementer(IDatagramTransport)
 class LoopbackDatagrams:
-    """An in-memory datagram socket: every member of the network hears what any
-    sends (itself too), one reactor turn later."""
+    """In-memory: every member of the network hears what any sends (itself too) a reactor turn later."""
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
-                 net: LoopbackDatagramNetwork = network) -> None:
+                 net: LoopbackNetwork = network) -> None:
         self.spec = spec
         self.host = spec.host
         self.receiver = receiver

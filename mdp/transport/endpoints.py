@@ -20,10 +20,8 @@ try:
 except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-#: descriptors kept back, at the least, for all else a process opens
-DESCRIPTOR_RESERVE = 64
-#: select() watches descriptors below this only (FD_SETSIZE)
-SELECT_LIMIT = 1024
+DESCRIPTOR_RESERVE = 64  #: descriptors kept back, at the least, for all else a process opens
+SELECT_LIMIT = 1024  #: select() watches descriptors below this only (FD_SETSIZE)
 
 
 def descriptor_budget() -> Optional[int]:
@@ -65,14 +63,11 @@ def raise_descriptor_limit() -> int:
 
 
 def server_description(endpoint: str) -> str:
-    """A server description, accepting the client forms too, with
-    :data:`LISTEN_BACKLOG` unless ``backlog=`` is given."""
+    """A server description (client forms too), with :data:`LISTEN_BACKLOG` unless it gives ``backlog=``."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
-        rest = ":".join(
-            "interface=" + p[len("host="):] if p.startswith("host=") else p
-            for p in rest.split(":")
-        )
+        rest = ":".join("interface=" + p[len("host="):] if p.startswith("host=") else p
+                        for p in rest.split(":"))
     elif kind == "unix" and rest.startswith("path="):
         rest = f"address={rest[len('path='):]}"
     if kind in ("tcp", "tcp6", "ssl", "unix") and "backlog=" not in rest:

@@ -8,8 +8,7 @@ from twisted.internet import defer
 
 
 def after(d: Optional[defer.Deferred[Any]]) -> defer.Deferred[None]:
-    """A Deferred of the caller's own (cancelling it affects no other), fired
-    once *d* has (at once if None or fired)."""
+    """A Deferred of the caller's own (cancelling it affects no other), fired once *d* has (or is None)."""
     if d is None or d.called:
         return defer.succeed(None)
     mine: defer.Deferred[None] = defer.Deferred()
@@ -24,8 +23,7 @@ def after(d: Optional[defer.Deferred[Any]]) -> defer.Deferred[None]:
 
 
 class DrainWaiters:
-    """Deferreds waiting for a transport's send backlog to empty: :meth:`fire`
-    wakes them once it can take more, or when the connection goes away."""
+    """Deferreds waiting for a transport's send backlog to empty (:meth:`fire` wakes them, or fails them)."""
 
     def __init__(self) -> None:
         self._waiting: list[defer.Deferred[None]] = []

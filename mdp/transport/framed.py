@@ -28,15 +28,13 @@ class FramedProtocol(Protocol):
 
     limits: Limits = Limits()
     framing: IFraming = RECORDS
-    #: the identity a connecting side announces in its greeting
-    identity: Optional[bytes] = None
+    identity: Optional[bytes] = None  #: the identity a connecting side announces in its greeting
     onMessage: Callable[[list[bytes]], None]
     throttle: Optional[LogThrottle] = None
     dropped = False  # deliver nothing more
     closedHere = False
     refusal: Optional[ProtocolError] = None
-    #: mdp.uvreactor may read without Twisted's legacy log context
-    needsLogContext = False
+    needsLogContext = False  #: mdp.uvreactor may read without Twisted's legacy log context
 
     _out: list[bytes]
     _outBytes = 0
@@ -158,9 +156,7 @@ class FramedProtocol(Protocol):
     def reportUnfinished(self) -> None:
         """At connectionLost: warn if the peer closed in the middle of a message."""
         decoder = getattr(self, "decoder", None)
-        if decoder is None:
-            return
-        if not (self.dropped or self.closedHere) and decoder.inRecord:
+        if decoder is not None and not (self.dropped or self.closedHere) and decoder.inRecord:
             self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
                        "message ({held} bytes of it received): that message is lost",
                        held=decoder.buffered)

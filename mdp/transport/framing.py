@@ -25,14 +25,12 @@ Buffer = Union[bytes, bytearray, memoryview]
 #: mdp.transport._records (the two functions below in C), or None
 _inC: Any = _compiled.accelerator("mdp.transport._records")
 
-#: Pieces of a frame at least this long are kept as views (copied once, into
-#: the frame); shorter ones are gathered in one buffer.
+#: Pieces of a frame at least this long are kept as views, shorter ones gathered in one buffer.
 _PIECE_BYTES = 4096
 
 
 class OverBudget(ProtocolError):
-    """The process's unfinished stream records would pass
-    ``Limits.maxBufferedBytes``: the oldest one's connection is closed."""
+    """Unfinished stream records would pass ``Limits.maxBufferedBytes``: the oldest's connection closes."""
 
 
 class InputBudget:
@@ -48,8 +46,7 @@ class InputBudget:
         self._trimmed = 0.0
 
     def charge(self, decoder: Any, size: int, limit: int) -> None:
-        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop
-        the oldest (raise if that is this one)."""
+        """Charge *size* more bytes to *decoder*'s record; past *limit*, drop the oldest (raise if this)."""
         holders = self.holders
         if not decoder._charged:
             if not size:
@@ -89,8 +86,7 @@ class InputBudget:
             self._trim(0)
 
 
-#: The process's budget for unfinished stream records.
-BUFFERED = InputBudget()
+BUFFERED = InputBudget()  #: The process's budget for unfinished stream records.
 
 
 def encode_record(frames: list[bytes]) -> bytes:
@@ -198,8 +194,7 @@ class RecordDecoder(ChargedDecoder):
         #: the frame in progress: large pieces as views, small ones in ``_buf``
         self._pieces: list[Buffer] = []
         self._buf = bytearray()
-        #: the identity the peer's greeting announced, if any
-        self.identity: Optional[bytes] = None
+        self.identity: Optional[bytes] = None  #: the identity the peer's greeting announced, if any
         self.channels = channels
         self._channel = b""  # the channel of the record in progress
 
@@ -362,5 +357,4 @@ class LengthPrefixedFraming:
         return RecordDecoder(limits, self.channels)
 
 
-#: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.
-RECORDS = LengthPrefixedFraming()
+RECORDS = LengthPrefixedFraming()  #: The framing stream endpoints (``tcp:``, ``unix:``, ...) use.

@@ -24,8 +24,7 @@ _ids = itertools.count(1)
 
 
 class LoopbackNetwork:
-    """A namespace of loopback listeners and datagram networks (``members``, by
-    name).  Most code uses :data:`network`."""
+    """Loopback listeners and datagram networks (``members``) by name; most code uses :data:`network`."""
 
     def __init__(self) -> None:
         self.listeners: dict[str, LoopbackRouter] = {}
@@ -130,13 +129,10 @@ class LoopbackRouter(_End):
 class LoopbackDealer(_End):
     """The connecting side: one pipe to the router bound under *name*."""
 
-    #: Messages kept while no listener exists
-    maxQueued = 1000
+    maxQueued = 1000  #: Messages kept while no listener exists
     writable = True
-    #: messages on their way to this dealer; how many of those to drop
-    inbound = discarding = 0
-    #: a newer dealer took over our identity: we stay detached
-    supplanted = False
+    inbound = discarding = 0  #: messages on their way to this dealer; how many of those to drop
+    supplanted = False  #: a newer dealer took over our identity: we stay detached
     #: seconds before a dropped pipe attaches again (not in the same turn, for ever)
     reconnectDelay = 0.1
 

@@ -29,8 +29,7 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 _READ_SIZE = 262144
 
-#: stream schemes the blocking nodes speak (no TLS)
-STREAM_SCHEMES = ("tcp", "unix")
+STREAM_SCHEMES = ("tcp", "unix")  #: stream schemes the blocking nodes speak (no TLS)
 
 #: the longest wait one poll takes (its timeout is a C int of milliseconds)
 _MAX_WAIT_MS = 2**31 - 1
@@ -59,7 +58,6 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
                              f"{', '.join(s + ':' for s in STREAM_SCHEMES)} endpoints, not {endpoint!r}")
     args, kwargs = split_description(rest)
     unix = scheme == "unix"
-    # each by its name, or else by its place
     given = [kwargs.get(name) or (args[i] if i < len(args) else None)
              for i, name in enumerate(("path",) if unix else ("host", "port"))]
     if not all(given):
@@ -67,8 +65,7 @@ def stream_address(endpoint: str) -> tuple[int, Any]:
     return (socket.AF_UNIX, given[0]) if unix else (socket.AF_UNSPEC, (given[0], int(given[1])))
 
 
-#: messages a DEALER queues each way (its HWMs)
-_HIGH_WATER_MARK = 1000
+_HIGH_WATER_MARK = 1000  #: messages a DEALER queues each way (its HWMs)
 
 
 class _ZmqPipe:
@@ -162,8 +159,7 @@ class _ZmqPipe:
         """The loop's only socket: wait in ``recv`` at most *timeout* ms (-1: no limit)."""
         sock = self.socket
         if not _native:
-            # pyzmq's recv waits its whole RCVTIMEO again after each signal
-            # (EINTR); its poll waits for what is left
+            # pyzmq's recv waits its whole RCVTIMEO again after an EINTR; its poll, what is left
             if sock.poll(timeout, _ZMQ_POLLIN):
                 self.check(monotonic())
             return
@@ -448,8 +444,7 @@ class _StreamPipe:
                 self._break(e)
                 break
         if self.skip and messages:
-            # the record a stale discard saw begun, now whole: no reply to a
-            # later request if on a channel it discarded
+            # the record a stale discard saw begun, now whole: dropped if on a channel it discarded
             if messages[0][0] in self.skip:
                 del messages[0]
             self.skip = 0
@@ -461,8 +456,7 @@ class _StreamPipe:
         self.out.clear()
         self.received.clear()
         self.loop.unchecked.discard(self)
-        #: the channels of a stale discard that saw a record begun
-        self.skip: Any = 0
+        self.skip: Any = 0  #: the channels of a stale discard that saw a record begun
         self.broken: Optional[BaseException] = None
         #: a channel's request has left once ``sentBytes`` passed its end
         self.queuedBytes = self.sentBytes = 0
@@ -496,8 +490,7 @@ class _StreamLink(_StreamPipe):
     framing = CHANNELS
 
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
-        # whole before the base joins the loop's timed pipes: an interrupt
-        # there must leave a link the loop's shutdown can close
+        # whole before the base joins the loop's timed pipes (an interrupt there: closable)
         self.endpoint = endpoint
         self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
         #: pipes to tell of the loss before any reconnection
@@ -607,8 +600,7 @@ class _LinkPipe(Channel):
         self.owner = owner
         self.tag = tag
         self.retryAt: Optional[float] = None
-        #: what comes before its last message left answers an earlier one (a
-        #: client's; a worker's messages from the broker are new requests)
+        #: what comes before its last message left answers an earlier one (a client's, not a worker's)
         self.dropsStale: bool = getattr(owner, "dropsStale", True)
 
     @property
@@ -657,6 +649,5 @@ _pysend, _set, _Again = _zmq().backend.Socket.send, _zmq().backend.Socket.set, _
 _RCVTIMEO, _NOBLOCK = int(_zmq().RCVTIMEO), int(_zmq().NOBLOCK)
 _ZMQ_POLLIN, _ZMQ_POLLOUT = int(_zmq().POLLIN), int(_zmq().POLLOUT)  # EVENTS bits
 _NEVER = sys.maxsize
-# poll(2)'s and epoll's bits
-_POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)
+_POLLIN, _POLLOUT = int(select.POLLIN), int(select.POLLOUT)  # poll(2)'s and epoll's bits
 _POLLERR, _POLLHUP = int(select.POLLERR), int(select.POLLHUP)

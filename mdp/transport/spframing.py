@@ -16,8 +16,7 @@ from mdp.transport import framing
 #: Protocol numbers, as nng uses them on the wire.
 REQ = 0x30
 REP = 0x31
-#: Who may talk to whom.
-COUNTERPART = {REQ: REP, REP: REQ}
+COUNTERPART = {REQ: REP, REP: REQ}  #: Who may talk to whom.
 NAMES = {REQ: "REQ", REP: "REP"}
 
 MAGIC = b"\x00SP\x00"
@@ -59,8 +58,7 @@ class SPDecoder(framing.ChargedDecoder):
         self.expected = expected
         self.limits = limits
         self.records = 0
-        #: the peer's header came, and is our counterpart's
-        self.handshaken = False
+        self.handshaken = False  #: the peer's header came, and is our counterpart's
         self._buf = bytearray()
 
     @property

@@ -9,8 +9,7 @@ from typing import Any, Optional
 from mdp.errors import TransportError
 from mdp.transport.registry import bad_endpoint, split_description
 
-#: the authorities' option, our addition to Twisted's ``ssl:`` server syntax
-CA_CERTS = "caCerts"
+CA_CERTS = "caCerts"  #: the authorities' option, our addition to Twisted's ``ssl:`` server syntax
 
 #: what an ``ssl:`` listener with ``caCerts=`` takes
 MUTUAL_KEYS = {"port", "interface", "backlog", "privateKey", "certKey", CA_CERTS}
