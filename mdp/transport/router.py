@@ -459,10 +459,8 @@ class StreamRouter:
         return factory
 
     @classmethod
-    def listen(
-        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
-        framing: IFraming = RECORDS,
-    ) -> defer.Deferred[StreamRouter]:
+    def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
+               framing: IFraming = RECORDS) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
         try:

@@ -75,10 +75,9 @@ class _Backlog(deque):  # type: ignore[type-arg]
 
 
 class _RoutedSocket:
-    """A bound or connecting ROUTER: a message for a connection whose pipe is
-    full waits in its backlog; past ``maxOutputBytes`` the connection is cut off
-    (its messages discarded until it sends again; a bound ROUTER reports it and
-    its relayed peers disconnected)."""
+    """A bound or connecting ROUTER: a full pipe's messages wait in a backlog; past
+    ``maxOutputBytes`` its connection is cut off (dropped until it sends again; a bound
+    ROUTER reports it and its relayed peers disconnected)."""
 
     connects = False
     dropped = overflows = oversizedCount = 0

@@ -1,10 +1,7 @@
 """Many pipes over one ZeroMQ DEALER, each a *relay hop*: a four-byte frame before
-its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").
-
-Only a server that relays answers a relayed message, so once a second pipe is
-open, a link sends its *probe* on a relay hop.  A pipe opened while the probe is
-out waits up to :data:`PROBE_WAIT` seconds, then goes alone (a DEALER of its
-own), as does every pipe until an answer comes."""
+its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").  Once
+a second pipe opens, a *probe* goes on a relay hop; a pipe waits up to
+:data:`PROBE_WAIT` seconds for its answer, then goes alone (a DEALER of its own)."""
 
 from __future__ import annotations
 
@@ -76,6 +73,11 @@ class ZmqChannel:
                                     "{count} wait for the broker's answer to the probe",
                                     endpoint=self.endpoint, count=len(self.held))
 
+    def release(self) -> None:  # what was held, now that the pipe knows its way
+        held, self.held = self.held, []
+        for frames in held:
+            self.sendMessage(frames)
+
     def close(self) -> defer.Deferred[None]:
         self.closed = True
         self.held = []
@@ -140,9 +142,7 @@ class ZmqChannels:
                 break
         pipe.hop = hop
         self.relayed[hop] = pipe
-        held, pipe.held = pipe.held, []
-        for frames in held:
-            pipe.sendMessage(frames)
+        pipe.release()
         if self.up:
             self.reactor.callLater(0, self._made, pipe)
 
@@ -162,9 +162,7 @@ class ZmqChannels:
             if not pipe.closed:
                 pipe.alone = self._dealer(pipe.receiver)
                 self.alone.add(pipe.alone)
-                held, pipe.held = pipe.held, []
-                for frames in held:
-                    pipe.sendMessage(frames)
+                pipe.release()
 
     def forget(self, pipe: ZmqChannel) -> None:
         if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:
