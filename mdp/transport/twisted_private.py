@@ -92,15 +92,10 @@ def logging_begun() -> bool:
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
 
 
-def asyncio_loop(reactor: Any) -> Any:
-    """The asyncio loop under *reactor* (an asyncio reactor), or None."""
-    return getattr(reactor, "_asyncioEventloop", None)
-
-
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """``callLater(0, fn, *args)``, through the loop's ``call_soon`` on an asyncio reactor; the handle's
     ``cancel()`` cancels it."""
-    loop = asyncio_loop(reactor)
+    loop = getattr(reactor, "_asyncioEventloop", None)
     if loop is not None:
         return loop.call_soon(fn, *args)
     return reactor.callLater(0, fn, *args)

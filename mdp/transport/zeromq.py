@@ -336,8 +336,7 @@ class ZmqRouter(_RoutedSocket):
         self._closing = True
         self._forgetDomain()
         if not self._bound.startswith(("tcp://", "ipc://")):
-            _RoutedSocket.close(self)
-            return defer.succeed(None)
+            return _RoutedSocket.close(self)
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
