@@ -1,5 +1,4 @@
-"""CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
-directory of ``mdp keygen`` public keys) checked by a ZAP handler."""
+"""CURVE on the ZeroMQ transport: encryption, and a ZAP-checked allow-list of ``mdp keygen`` keys."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
 
 @attrs.frozen
 class CurveServer:
-    """A server's key pair and whom it accepts: the keys in *allow*, or anyone
-    with a key if None (encryption without authentication)."""
+    """A server's key pair and whom it accepts: the keys in *allow*, or (None) any key."""
 
     publicKey: bytes
     secretKey: bytes = attrs.field(repr=False)

@@ -1,5 +1,4 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`;
-a bad endpoint's error says what was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`, with hints."""
 
 from __future__ import annotations
 
@@ -143,8 +142,7 @@ def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:
 
 
 def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
-    """Twisted's endpoint description syntax: ``:``-separated, ``\\:`` escapes a
-    colon, ``key=value`` or positional."""
+    """Twisted's endpoint syntax: ``:``-separated (``\\:`` escapes), ``key=value`` or positional."""
     args: list[str] = []
     kwargs: dict[str, str] = {}
     for part in re.split(r"(?<!\\):", rest) if rest else ():

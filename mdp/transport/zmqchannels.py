@@ -113,8 +113,7 @@ class ZmqChannels:
                          curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        """A relayed pipe; a DEALER of its own while no other is open or the probe
-        went unanswered; else a pipe that waits for the answer."""
+        """A relayed pipe, a DEALER of its own (alone or the probe unanswered), or one awaiting the answer."""
         if self.closed:
             raise RuntimeError(f"the pipes to {self.endpoint} are closed")
         if self.state is not RELAYING and (self.state is UNANSWERED or not (

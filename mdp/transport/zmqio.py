@@ -1,5 +1,4 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, socket
-options, and the calls that read and send a whole message (:func:`socket_calls`)."""
+"""The ZeroMQ sockets of the ``zmq:`` transports: the txzmq factory, options, :func:`socket_calls`."""
 
 from __future__ import annotations
 
