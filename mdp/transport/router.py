@@ -46,8 +46,7 @@ NEWCOMER_GRACE = 1.0  # seconds before a silent new connection makes room before
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
-    """An accepted connection, push producer of its transport.  With channels,
-    each is a peer, opened by its first message and ended by an empty record."""
+    """An accepted connection, its transport's push producer; with channels, each channel is a peer."""
 
     router: StreamRouter
     peer: bytes

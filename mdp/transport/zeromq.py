@@ -406,8 +406,7 @@ class InFlight:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER around a :class:`DealerCore`: not ``writable``
-    while refused messages wait or libzmq holds over ``maxOutputBytes``."""
+    """A connecting DEALER: not ``writable`` while refused messages wait or libzmq holds too much."""
 
     connected = True
     connection: Any = None

@@ -30,8 +30,7 @@ ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relayi
 
 @implementer(IDealerTransport)
 class ZmqChannel:
-    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER, or
-    (``alone``) a DEALER of its own; until the link knows which, it holds what is sent."""
+    """A pipe: a relay hop on the link's DEALER or (``alone``) a DEALER of its own; held until known."""
 
     hop: Optional[bytes] = None
     alone: Optional[ZmqDealer] = None
