@@ -277,13 +277,13 @@ def test_refused_curve_handshakes_log_at_most_a_line_a_second() -> None:
     back."""
     import zmq
 
-    from mdp.transport.curve import _Gate
+    from mdp.transport.curve import _gate
 
     friend, _ = zmq.curve_keypair()
     own, secret = zmq.curve_keypair()
     clock = ThreadedClock()
     counted: list[None] = []
-    gate = _Gate(CurveServer(own, secret, frozenset({friend})), "zmq:tcp://127.0.0.1:5555", clock,
+    gate = _gate(CurveServer(own, secret, frozenset({friend})), "zmq:tcp://127.0.0.1:5555", clock,
                  refused=lambda: counted.append(None))
     with warnings_logged() as events:
         assert gate.callback("1", friend)

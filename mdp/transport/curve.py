@@ -1,5 +1,4 @@
-"""CURVE on the ZeroMQ transport: encrypted links, and a server's allow-list (a
-directory of ``mdp keygen`` public keys) checked by a ZAP handler."""
+"""CURVE on the ZeroMQ transport: encryption, and a ZAP-checked allow-list of ``mdp keygen`` keys."""
 
 from __future__ import annotations
 
@@ -41,13 +40,11 @@ def _load(path: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
 
 @attrs.frozen
 class CurveServer:
-    """A server's key pair and whom it accepts: the keys in *allow*, or anyone
-    with a key if None (encryption without authentication)."""
+    """A server's key pair and whom it accepts: the keys in *allow*, or (None) any key."""
 
     publicKey: bytes
     secretKey: bytes = attrs.field(repr=False)
     allow: Optional[frozenset[bytes]]
-    allowDir: Optional[str] = None
 
     @classmethod
     def fromFiles(cls, secretFile: str, allowDir: Optional[str] = None) -> CurveServer:
@@ -64,7 +61,7 @@ class CurveServer:
             if not allow:
                 log.warn("the CURVE allow-list {dir} holds no certificate: no peer will get "
                          "through", dir=allowDir)
-        return cls(public, secret, allow, allowDir)  # type: ignore[arg-type]
+        return cls(public, secret, allow)  # type: ignore[arg-type]
 
     def apply(self, socket: Any, domain: str) -> None:
         """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
@@ -117,28 +114,23 @@ def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str]) -> 
     return None if serverPublicFile is None else CurveClient.fromFiles(serverPublicFile, secretFile)
 
 
-class _Gate:
+def _gate(server: CurveServer, endpoint: str, reactor: Any, refused: Optional[Any]) -> Any:
     """One server's allow-list, asked by the ZAP thread for each handshake."""
+    throttle = LogThrottle(reactor)
 
-    def __init__(self, server: CurveServer, endpoint: str, reactor: Any,
-                 refused: Optional[Any] = None) -> None:
-        self.allow = server.allow
-        self.endpoint = endpoint
-        self.reactor = reactor
-        self.refused = refused
-        self.throttle = LogThrottle(reactor)
+    def warn(key: str) -> None:
+        throttle.warn(log, "refused", "CURVE handshake on {endpoint} refused: public key "
+                      "{key} is not in the allow-list", endpoint=endpoint, key=key)
+        if refused is not None:
+            refused()
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        if self.allow is None or key in self.allow:
+    def callback(domain: str, key: bytes) -> bool:
+        if server.allow is None or key in server.allow:
             return True
-        self.reactor.callFromThread(self._refused, key.decode("ascii", "replace"))
+        reactor.callFromThread(warn, key.decode("ascii", "replace"))
         return False
 
-    def _refused(self, key: str) -> None:
-        self.throttle.warn(log, "refused", "CURVE handshake on {endpoint} refused: public key "
-                           "{key} is not in the allow-list", endpoint=self.endpoint, key=key)
-        if self.refused is not None:
-            self.refused()
+    return types.SimpleNamespace(callback=callback)
 
 
 _DENY_ALL = types.SimpleNamespace(callback=lambda domain, key: False)
@@ -173,7 +165,7 @@ def zap_domain(context: Any, server: CurveServer, endpoint: str, reactor: Any,
             if beforeTerm is not None:
                 beforeTerm.add(stop)
         domain = f"mdp-{next(_domains)}"
-        zap.configure_curve_callback(domain, _Gate(server, endpoint, reactor, refused))
+        zap.configure_curve_callback(domain, _gate(server, endpoint, reactor, refused))
         return domain
 
 

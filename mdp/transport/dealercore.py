@@ -10,8 +10,7 @@ from mdp.policy import Limits, held_bytes
 
 
 class DealerCore:
-    """A DEALER's backlog (refused messages, in order), its reaction to a
-    message over the limits, and its schedule for opening a socket again."""
+    """A DEALER's backlog of refused messages, its answer to an oversized one, and its reopen schedule."""
 
     __slots__ = ("limits", "bounded", "delay", "backlog", "backlogBytes", "failures")
 

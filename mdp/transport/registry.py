@@ -1,5 +1,4 @@
-"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`;
-a bad endpoint's error says what was probably meant."""
+"""Endpoint schemes (``zmq:``, ``tcp:``, ``loopback:``, ...), each a :class:`Scheme`, with hints."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ CONNECT = "connect"
 @attrs.frozen
 class Scheme:
     """One endpoint scheme: ``check(endpoint, role)`` raises :class:`TransportError` unless
-    *endpoint* suits *role*; *listen* is ``(endpoint, receiver, reactor, limits) -> Deferred[
-    IRouterTransport]``, *connect* ``(…, retryPolicy, identity) -> IDealerTransport``, or None."""
+    *endpoint* suits *role*; *listen*, *connect* and *channels* make its transports (or None)."""
 
     name: str
     check: Callable[[str, str], None]
@@ -28,7 +26,6 @@ class Scheme:
     identities: bool = False  # connect() can choose the identity the far side sees
     connections: bool = True  # a connection per peer, whose loss is reported
     secure: bool = False  # listen and connect take ``security=`` (CURVE)
-    #: ``(endpoint, reactor, limits, retryPolicy) -> IDealerChannels``, or None
     channels: Optional[Callable[..., Any]] = None
 
 
@@ -54,23 +51,18 @@ def schemes() -> Iterator[Scheme]:
     return iter(list(_schemes.values()))
 
 
-_URL = re.compile(r"^(?P<kind>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$", re.IGNORECASE)
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
 def _hint_for_url(endpoint: str, role: str) -> str:
     """What a pyzmq/nng-style URL was probably meant to be."""
     kind, _, rest = endpoint.partition("://")
     kind = kind.lower()
-    if kind == "tcp":
-        return _tcp_hint(rest, role)
     if kind in ("ipc", "inproc"):
         return f"did you mean zmq:{kind}://{rest}?"
-    return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
-
-
-def _tcp_hint(rest: str, role: str) -> str:
-    """The two endpoints a ``tcp://HOST:PORT`` URL may have meant, for *role*."""
-    if rest.startswith("["):
+    if kind != "tcp":
+        return "endpoints look like zmq:tcp://HOST:PORT, tcp:host=HOST:port=PORT or unix:path=PATH"
+    if rest.startswith("["):  # the ZeroMQ and the framed TCP endpoint it may have meant
         host, _, port = rest[1:].partition("]")
         port = port[1:] if port.startswith(":") else ""
     else:
@@ -117,13 +109,14 @@ def lookup(endpoint: object, role: str) -> Scheme:
     if not colon or not name:
         raise bad_endpoint(endpoint, "no scheme (zmq:, tcp:, unix:, loopback:, ...)")
     scheme = _schemes.get(name) or _twisted_plugin_scheme(name)
-    if scheme is None and bare_address(endpoint) is not None:
-        raise bad_endpoint(endpoint, "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role))
-    if scheme is None and name in _ZMQ_TRANSPORTS:
-        raise bad_endpoint(endpoint, f"{name!r} is a ZeroMQ transport: name it after zmq:, as in "
-                           f"zmq:{name}://...")
     if scheme is None:
-        raise bad_endpoint(endpoint, f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})")
+        if bare_address(endpoint) is not None:
+            why = "an address with no scheme; " + _hint_for_url("tcp://" + endpoint, role)
+        elif name in _ZMQ_TRANSPORTS:
+            why = f"{name!r} is a ZeroMQ transport: name it after zmq:, as in zmq:{name}://..."
+        else:
+            why = f"unknown scheme {name!r} (known: {', '.join(sorted(_schemes))})"
+        raise bad_endpoint(endpoint, why)
     if (scheme.listen if role == LISTEN else scheme.connect) is None:
         raise bad_endpoint(endpoint, f"{name}: endpoints cannot {role}")
     scheme.check(endpoint, role)
@@ -149,8 +142,7 @@ def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:
 
 
 def split_description(rest: str) -> tuple[list[str], dict[str, str]]:
-    """Twisted's endpoint description syntax: ``:``-separated, ``\\:`` escapes a
-    colon, ``key=value`` or positional."""
+    """Twisted's endpoint syntax: ``:``-separated (``\\:`` escapes), ``key=value`` or positional."""
     args: list[str] = []
     kwargs: dict[str, str] = {}
     for part in re.split(r"(?<!\\):", rest) if rest else ():

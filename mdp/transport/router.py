@@ -46,8 +46,7 @@ NEWCOMER_GRACE = 1.0  # seconds before a silent new connection makes room before
 
 @implementer(IPushProducer)
 class _RouterConnection(FramedProtocol):
-    """An accepted connection, push producer of its transport.  With channels,
-    each is a peer, opened by its first message and ended by an empty record."""
+    """An accepted connection, its transport's push producer; with channels, each channel is a peer."""
 
     router: StreamRouter
     peer: bytes
@@ -138,7 +137,7 @@ class _RouterConnection(FramedProtocol):
         """A message from a peer not useful yet: the last to make room."""
         if not self.greeted:
             self.greeted = True
-            self._cancelTimer()
+            self._timer = cancel_call(self._timer)
         self._unrank()
         if not self.router.judged:
             self.useful = True
@@ -210,7 +209,7 @@ class _RouterConnection(FramedProtocol):
             decoder = self.decoder
             if not self.greeted and not self.closing and getattr(decoder, "handshaken", False):
                 self.greeted = True  # its framing's handshake (SP's header)
-                self._cancelTimer()
+                self._timer = cancel_call(self._timer)
             if not self.greeted or self.closing:
                 return
             if decoder.inRecord:
@@ -219,22 +218,19 @@ class _RouterConnection(FramedProtocol):
                     self._arm(self.limits.recordTimeout, "a record of theirs stayed incomplete "
                               "for {seconds:g}s ({held} bytes held)")
             elif self._timer is not None:
-                self._cancelTimer()
+                self._timer = cancel_call(self._timer)
         finally:
             router.reading -= 1
             if not router.reading and router.dirty:
                 router.flushWrites()
 
     def _arm(self, seconds: float, why: str) -> None:
-        self._cancelTimer()
+        self._timer = cancel_call(self._timer)
         self._timer = self.router.reactor.callLater(seconds, self._timedOut, why, seconds)
 
     def _timedOut(self, why: str, seconds: float) -> None:
         self._timer = None
         self.drop(why, seconds=seconds, held=self.decoder.buffered)
-
-    def _cancelTimer(self) -> None:
-        self._timer = cancel_call(self._timer)
 
     def send(self, frames: list[bytes], channel: Optional[bytes] = None) -> None:
         """Send *frames* (on *channel*; empty ends it), held within ``maxOutputBytes``."""
@@ -289,7 +285,7 @@ class _RouterConnection(FramedProtocol):
         if self.makingRoom:
             StreamRouter.makingRoom -= 1
         self.reportUnfinished()
-        self._cancelTimer()
+        self._timer = cancel_call(self._timer)
         self._cancelTurn()
         self._out = []
         self._outBytes = 0
@@ -459,10 +455,8 @@ class StreamRouter:
         return factory
 
     @classmethod
-    def listen(
-        cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
-        framing: IFraming = RECORDS,
-    ) -> defer.Deferred[StreamRouter]:
+    def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any, limits: Limits = Limits(), *,
+               framing: IFraming = RECORDS) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
         try:

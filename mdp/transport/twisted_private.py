@@ -76,8 +76,7 @@ _FORWARDERS = {private_class(module, name): inner for module, name, inner, _ in 
 
 
 def shortcut_reads(protocol: Any) -> None:
-    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper, where every
-    wrapper between only passes reads on."""
+    """Hand *protocol*'s ``dataReceived`` to the outermost wrapper if all between only pass reads on."""
     outer = inner = getattr(protocol.transport, "protocol", None)
     while type(inner) in _FORWARDERS:
         inner = getattr(inner, _FORWARDERS[type(inner)], None)
@@ -92,15 +91,9 @@ def logging_begun() -> bool:
     return getattr(globalLogBeginner, "_temporaryObserver", None) is None
 
 
-def asyncio_loop(reactor: Any) -> Any:
-    """The asyncio loop under *reactor* (an asyncio reactor), or None."""
-    return getattr(reactor, "_asyncioEventloop", None)
-
-
 def call_soon(reactor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``callLater(0, fn, *args)``, through the loop's ``call_soon`` on an asyncio reactor; the handle's
-    ``cancel()`` cancels it."""
-    loop = asyncio_loop(reactor)
+    """``callLater(0, fn, *args)``, or the asyncio loop's ``call_soon``; ``cancel()`` cancels either."""
+    loop = getattr(reactor, "_asyncioEventloop", None)
     if loop is not None:
         return loop.call_soon(fn, *args)
     return reactor.callLater(0, fn, *args)
@@ -144,8 +137,7 @@ def uvloop_reactor_class(needsLogContext: Callable[[Any], bool]) -> type:
 
 
 def pause_channel_reads(channel: Any) -> None:
-    """Stop reading from an ``HTTPChannel``'s connection (its network producer:
-    ``pauseProducing`` on the channel also stops its responses)."""
+    """Stop reading an ``HTTPChannel``'s connection (its ``pauseProducing`` stops responses too)."""
     channel._networkProducer.pauseProducing()
 
 

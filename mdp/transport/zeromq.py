@@ -75,10 +75,9 @@ class _Backlog(deque):  # type: ignore[type-arg]
 
 
 class _RoutedSocket:
-    """A bound or connecting ROUTER: a message for a connection whose pipe is
-    full waits in its backlog; past ``maxOutputBytes`` the connection is cut off
-    (its messages discarded until it sends again; a bound ROUTER reports it and
-    its relayed peers disconnected)."""
+    """A bound or connecting ROUTER: a full pipe's messages wait in a backlog; past
+    ``maxOutputBytes`` its connection is cut off (dropped until it sends again; a bound
+    ROUTER reports it and its relayed peers disconnected)."""
 
     connects = False
     dropped = overflows = oversizedCount = 0
@@ -202,8 +201,7 @@ class _RoutedSocket:
 
 
 def _check_ipc_free(address: str, endpoint: str) -> None:
-    """Refuse an ``ipc://`` path that is no socket or that a process listens on
-    (libzmq would unlink it); a socket left behind is libzmq's to replace."""
+    """Refuse an ``ipc://`` path that is no socket or is listened on (libzmq would unlink it)."""
     path = address[len("ipc://"):]
     if not address.startswith("ipc://") or path.startswith("@"):
         return
@@ -268,8 +266,7 @@ class ZmqRouter(_RoutedSocket):
         self.endpoint = "zmq:" + self._bound.replace("0.0.0.0", "127.0.0.1")
 
     def identified(self, peer: bytes, userId: Optional[str]) -> None:
-        """The next message came from *peer* with the key *userId*: with another
-        key than before, the peer that had the id is reported gone first."""
+        """The next message from *peer* had key *userId*: with a new key, the id's holder is gone."""
         keys = self._keys
         known = keys.pop(peer, userId)
         keys[peer] = userId
@@ -337,8 +334,7 @@ class ZmqRouter(_RoutedSocket):
         self._closing = True
         self._forgetDomain()
         if not self._bound.startswith(("tcp://", "ipc://")):
-            _RoutedSocket.close(self)
-            return defer.succeed(None)
+            return _RoutedSocket.close(self)
         monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
         closed: defer.Deferred[None] = defer.Deferred()
         deadline = self.reactor.seconds() + self.unbindTimeout
@@ -410,8 +406,7 @@ class InFlight:
 
 @implementer(IDealerTransport)
 class ZmqDealer:
-    """A connecting ZeroMQ DEALER around a :class:`DealerCore`: not ``writable``
-    while refused messages wait or libzmq holds over ``maxOutputBytes``."""
+    """A connecting DEALER: not ``writable`` while refused messages wait or libzmq holds too much."""
 
     connected = True
     connection: Any = None
@@ -453,8 +448,7 @@ class ZmqDealer:
         return self._waiters.wait()
 
     def _flush(self) -> None:
-        """Send what waits, then wake the waiters once libzmq holds at most half
-        the bound (polled, backing off: libzmq tells nobody)."""
+        """Send what waits; wake the waiters once libzmq holds at most half the bound (polled)."""
         self._retry = cancel_call(self._retry)
         if self.connection is None:
             self._waiters.fire()
@@ -510,8 +504,7 @@ class ZmqDealer:
         return 0 if self.connection is None else self.connection.discardQueued()
 
     def oversized(self, head: Any, count: int, size: int) -> None:
-        """Replace the socket after a message over the limits (``connectionLost``),
-        or only the relay hop's pipe (``hopOversized``)."""
+        """Replace the socket after a message over the limits, or only a relay hop's pipe."""
         onHop = getattr(self.receiver, "hopOversized", None)
         if onHop is not None and head and onHop(bytes(head), count, size):
             return

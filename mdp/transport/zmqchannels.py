@@ -1,10 +1,7 @@
 """Many pipes over one ZeroMQ DEALER, each a *relay hop*: a four-byte frame before
-its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").
-
-Only a server that relays answers a relayed message, so once a second pipe is
-open, a link sends its *probe* on a relay hop.  A pipe opened while the probe is
-out waits up to :data:`PROBE_WAIT` seconds, then goes alone (a DEALER of its
-own), as does every pipe until an answer comes."""
+its messages, as a ROUTER-DEALER proxy adds (docs/mdp.md, "Relayed peers").  Once
+a second pipe opens, a *probe* goes on a relay hop; a pipe waits up to
+:data:`PROBE_WAIT` seconds for its answer, then goes alone (a DEALER of its own)."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relayi
 
 @implementer(IDealerTransport)
 class ZmqChannel:
-    """One pipe of a :class:`ZmqChannels`: a relay hop on the link's DEALER, or
-    (``alone``) a DEALER of its own; until the link knows which, it holds what is sent."""
+    """A pipe: a relay hop on the link's DEALER or (``alone``) a DEALER of its own; held until known."""
 
     hop: Optional[bytes] = None
     alone: Optional[ZmqDealer] = None
@@ -76,6 +72,11 @@ class ZmqChannel:
                                     "{count} wait for the broker's answer to the probe",
                                     endpoint=self.endpoint, count=len(self.held))
 
+    def release(self) -> None:  # what was held, now that the pipe knows its way
+        held, self.held = self.held, []
+        for frames in held:
+            self.sendMessage(frames)
+
     def close(self) -> defer.Deferred[None]:
         self.closed = True
         self.held = []
@@ -111,8 +112,7 @@ class ZmqChannels:
                          curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
-        """A relayed pipe; a DEALER of its own while no other is open or the probe
-        went unanswered; else a pipe that waits for the answer."""
+        """A relayed pipe, a DEALER of its own (alone or the probe unanswered), or one awaiting the answer."""
         if self.closed:
             raise RuntimeError(f"the pipes to {self.endpoint} are closed")
         if self.state is not RELAYING and (self.state is UNANSWERED or not (
@@ -140,9 +140,7 @@ class ZmqChannels:
                 break
         pipe.hop = hop
         self.relayed[hop] = pipe
-        held, pipe.held = pipe.held, []
-        for frames in held:
-            pipe.sendMessage(frames)
+        pipe.release()
         if self.up:
             self.reactor.callLater(0, self._made, pipe)
 
@@ -162,9 +160,7 @@ class ZmqChannels:
             if not pipe.closed:
                 pipe.alone = self._dealer(pipe.receiver)
                 self.alone.add(pipe.alone)
-                held, pipe.held = pipe.held, []
-                for frames in held:
-                    pipe.sendMessage(frames)
+                pipe.release()
 
     def forget(self, pipe: ZmqChannel) -> None:
         if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:

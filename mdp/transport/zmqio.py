@@ -1,5 +1,4 @@
-"""The ZeroMQ sockets under the ``zmq:`` transports: the txzmq factory, socket
-options, and the calls that read and send a whole message (:func:`socket_calls`)."""
+"""The ZeroMQ sockets of the ``zmq:`` transports: the txzmq factory, options, :func:`socket_calls`."""
 
 from __future__ import annotations
 
@@ -19,12 +18,10 @@ from mdp.policy import Limits, cancel_call
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 HIGH_WATER_MARK = 100_000  # messages per pipe on a DEALER: a burst of PARTIALs rarely waits
-#: Per pipe on a ROUTER, for what it receives (and sends, on inproc:// and on
-#: a connecting ROUTER); small, as libzmq counts messages, not bytes.
+#: per pipe on a ROUTER, received (and sent on inproc:// and by a connecting ROUTER);
+#: small, as libzmq counts messages, not bytes
 ROUTER_HIGH_WATER_MARK = 64
-#: Per pipe on a bound ROUTER, for what it sends.  Set before the bind, never
-#: changed (libzmq issue #4524).
-ROUTER_SEND_WATER_MARK = 128
+ROUTER_SEND_WATER_MARK = 128  # sent, per pipe of a bound ROUTER: set before the bind (libzmq #4524)
 LINGER_MS = 200
 
 
@@ -253,8 +250,8 @@ def _connection_classes() -> tuple[type, type]:
                                 self.maxFrames + self.envelope, self.maxBytes, self.envelope)
                 if frames.__class__ is not list:
                     self.skipping = frames[1]
-                    if not self.reading and self.read_scheduled is None:
-                        self.read_scheduled = self.factory.reactor.callLater(0, self.doRead)
+                    if not self.reading:
+                        self.attached()
                     break
                 dropped += 1
             return dropped
