@@ -27,6 +27,7 @@ Adding a command to the docs means adding it to a scenario (one line in the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,12 +157,20 @@ def shown(command: str) -> Documented:
 # --- running a documented command ----------------------------------------------------------
 
 
+def free_ports(count: int) -> list[int]:
+    """*count* different ports nothing listens on now (127.0.0.1, chosen by the
+    OS), for the commands that need literal ones: all are held while chosen, so
+    the OS cannot hand out one of them twice."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
-    """A port nothing listens on now (127.0.0.1, chosen by the OS), for the
-    commands that need a literal one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now (see :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
 def _pattern(old: str) -> re.Pattern[str]:
@@ -219,8 +228,10 @@ class Shell:
         self.subs[old] = new
 
     def port(self, documented: int) -> int:
-        """Replace ``:PORT`` in every command by a free port; return it."""
-        port = free_port()
+        """Replace ``:PORT`` in every command by a free port, one no other
+        ``:PORT`` of this shell got; return it."""
+        taken = set(self.subs.values())
+        port = next(p for p in iter(free_port, None) if f":{p}" not in taken)
         self.sub(f":{documented}", f":{port}")
         return port
 
@@ -373,7 +384,7 @@ async def readme_binary_star(sh: Shell, c: Any) -> None:
 )
 async def binarystar_pair_of_brokers(sh: Shell, c: Any) -> None:
     """Machines A and B are both 127.0.0.1 here, each with its own ports."""
-    a, b, a_state, b_state = (free_port() for _ in range(4))
+    a, b, a_state, b_state = free_ports(4)
     sh.sub("A:5555", f"127.0.0.1:{a}")
     sh.sub("B:5555", f"127.0.0.1:{b}")
     sh.sub("A:5003", f"127.0.0.1:{a_state}")
