@@ -28,9 +28,10 @@ DEFAULT_HEARTBEAT = 1.0
 
 #: where a server is, numbered 1-4 as in the Guide (the numbers travel on the wire): PRIMARY
 #: and BACKUP wait for the peer; ACTIVE serves clients, PASSIVE does not
-State = enum.IntEnum("State", "PRIMARY BACKUP ACTIVE PASSIVE")
+State = enum.IntEnum("State", {"PRIMARY": 1, "BACKUP": 2, "ACTIVE": 3, "PASSIVE": 4})
 #: what happens to a server: its peer's state (as State's numbers), or a client's request
-Event = enum.IntEnum("Event", "PEER_PRIMARY PEER_BACKUP PEER_ACTIVE PEER_PASSIVE CLIENT_REQUEST")
+Event = enum.IntEnum("Event", {"PEER_PRIMARY": 1, "PEER_BACKUP": 2, "PEER_ACTIVE": 3, "PEER_PASSIVE": 4,
+                               "CLIENT_REQUEST": 5})
 Role = enum.Enum("Role", {"PRIMARY": "primary", "BACKUP": "backup"})
 
 

@@ -462,6 +462,17 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
     assert machine.handleMessage([*DISCONNECT], now=4.6) == [ClosePipe(), ReopenAfter(0.0, "b", None)]
 
 
+def test_a_worker_takes_only_worker_messages_as_word_from_its_broker() -> None:
+    from mdp.majordomo.worker import Dropped, OpenPipe, SendToBroker, WorkerMachine
+
+    machine = WorkerMachine(["a"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0))
+    assert machine.handleStart(now=0.0) == [OpenPipe("a")]
+    assert machine.handlePipeUp(now=0.1) == [SendToBroker([*READY])]
+    client_final = [codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"hi"]
+    assert machine.handleMessage(client_final, now=2.0) == [Dropped("invalid message: missing MDPW02 header")]
+    assert not machine.answered and machine.liveness.silence(2.0) == pytest.approx(1.9)
+
+
 def test_client_machine_is_a_function_of_events_and_their_times() -> None:
     from mdp.errors import ClientClosed
     from mdp.majordomo.client_machine import (

@@ -778,3 +778,28 @@ def test_a_client_whose_server_session_ended_is_told_and_the_server_may_get_one_
     wire.connect()
     wire.flow()
     assert len([e for e in wire.events if isinstance(e, Renewed)]) == 1
+
+
+def test_an_ack_only_counts_on_a_message_its_sender_may_send() -> None:
+    """A server never says HELLO, a client never says WELCOME: the ack such a
+    message carries discards nothing the other side still holds."""
+    wire = Wire()
+    wire.connect()
+    wire.flow()
+    wire.send(b"request")
+    wire.flow()
+    wire.reply(wire.routingId, b"answer")  # held by the server until the client acks it
+    [session] = wire.server.byPeer.values()
+    assert len(session.seq.unacked) == 1
+    wire.toClient.clear()  # (the client does not hear the answer)
+    wire._server(wire.server.handleMessage(wire.peer, codec.encode(codec.Welcome(5)), wire.now))
+    assert len(session.seq.unacked) == 1
+    wire.toServer.clear()
+    wire.toClient = [codec.encode(codec.Hello(b"s" * 16, 5))]
+    wire.send(b"second")  # held by the client until the server acks it
+    before = len(wire.client.seq.unacked)
+    wire._client(wire.client.handleMessage(wire.toClient.pop(0), wire.now))
+    assert len(wire.client.seq.unacked) == before >= 1
+    # an ACK itself still counts
+    wire._server(wire.server.handleMessage(wire.peer, codec.encode(codec.Ack(5)), wire.now))
+    assert len(session.seq.unacked) == 0

@@ -627,3 +627,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         if interrupted:
             raise SystemExit(EXIT_INTERRUPTED) from None
         raise
+
+
+if __name__ == "__main__":
+    main()

@@ -116,8 +116,10 @@ class BrokerService(_FailableService):
 
     def _stop(self) -> defer.Deferred[None]:
         self.transports = []
-        stopping = [] if self.binaryStar is None else [self.binaryStar.stop()]
-        return defer.gatherResults([self.broker.close(), *stopping]).addCallback(lambda _: None)
+        stopping = [self.broker.close()]  # first: the pair's peer hears of it only then
+        if self.binaryStar is not None:
+            stopping.append(self.binaryStar.stop())
+        return defer.gatherResults(stopping).addCallback(lambda _: None)
 
     def _failed(self, failure: Failure) -> Optional[Failure]:
         if self.binaryStar is not None:
@@ -226,13 +228,16 @@ class FreelanceServerService(ServerService):
 
 
 class SPDeviceService(ServerService):
-    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* to *back* (checked by the plugin's
-    options), made when the service starts (it dials *back* at once)."""
+    """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* (``endpoint``) to *back*, made when the
+    service starts (it dials *back* at once); the device is ``server``."""
 
     what = "SP device"
 
     def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
+        from mdp.sp.codec import endpoint_of
+
+        transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
         self.endpoint, self.server = front, None
         self.back, self.deviceOptions = back, deviceOptions

@@ -17,7 +17,8 @@ from mdp.machine import action_type
 SIGNATURE = 0xAAA1
 VERSION = 2
 
-HELLO, WHISPER, SHOUT, JOIN, LEAVE, PING, PING_OK = range(1, 8)
+# the command ids ZRE puts on the wire
+HELLO, WHISPER, SHOUT, JOIN, LEAVE, PING, PING_OK = 1, 2, 3, 4, 5, 6, 7
 COMMANDS = {HELLO: "HELLO", WHISPER: "WHISPER", SHOUT: "SHOUT", JOIN: "JOIN", LEAVE: "LEAVE",
             PING: "PING", PING_OK: "PING-OK"}
 

@@ -582,10 +582,10 @@ class ClientMachine(Machine):
     def _decoded(self, channel: _Channel, call: Optional[_Call], frames: list[bytes]) -> None:
         """A message not plainly a reply to the request in flight: decoded in full, or dropped."""
         try:
-            command = codec.decode(codec.expect(frames, self.dialect), self.dialect)
+            command = codec.decode(codec.expect(frames, self.dialect, codec.CLIENT_HEADER), self.dialect)
             kind = type(command)
             if kind is not ClientPartial and kind is not ClientFinal:
-                raise ProtocolError(f"broker sent a {kind.__name__} to a client")
+                raise ProtocolError(f"broker sent a client {kind.__name__}")
             if call is not None and command.service != call.service and self.dialect == _RFC:
                 raise ProtocolError(
                     f"reply for service {command.service!r} to a request for {call.service!r}")

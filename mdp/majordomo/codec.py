@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import attrs
 
@@ -150,13 +150,16 @@ def split(frames: Sequence[bytes]) -> tuple[str, Sequence[bytes]]:
     return RFC, frames
 
 
-def expect(frames: Sequence[bytes], dialect: str) -> Sequence[bytes]:
-    """Frames from the header on, for a peer that knows its *dialect*; the other
-    dialect's framing is a :class:`~mdp.errors.ProtocolError` naming the mismatch."""
+def expect(frames: Sequence[bytes], dialect: str, header: Optional[bytes] = None) -> Sequence[bytes]:
+    """Frames from the header on, for a peer that knows its *dialect* (and, given,
+    the *header* its side receives); the other dialect's framing, or another
+    header, is a :class:`~mdp.errors.ProtocolError` naming the mismatch."""
     found, rest = split(frames)
     if found != dialect:
         raise ProtocolError(f"message framed for the {found} dialect, expected {dialect} "
                             "(is the peer configured with the same dialect?)")
+    if header is not None and (not rest or rest[0] != header):
+        raise ProtocolError(f"missing {header.decode()} header")
     return rest
 
 

@@ -231,7 +231,7 @@ class WorkerMachine(Machine):
             self._command(WorkerRequest, frames[2], frames[4:])
         else:
             try:
-                kind, client, body = codec.parse(codec.expect(frames, self.dialect))
+                kind, client, body = codec.parse(codec.expect(frames, self.dialect, WORKER_HEADER))
             except ProtocolError as e:
                 self._outbox.append(Dropped(f"invalid message: {e}"))
                 return self._drain()

@@ -29,6 +29,10 @@ MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
 MAX_UNATTACHED = 4096  # connections without a session a server tracks (beyond, the oldest close)
 
 
+
+def _acknowledged(*event: Any) -> None:
+    """An ACK: its ack, read before any handler, is all it says."""
+
 class SessionQueueFull(MDPError):
     """The session holds its limit of unacknowledged messages; nothing was queued."""
 
@@ -240,10 +244,10 @@ class ClientSessionMachine(Machine):
             return self._drain()
         self.lastHeard = now
         self.pings = 0
-        if hasattr(message, "ack"):
-            self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
         handler = self._handlers.get(type(message))
-        if handler is not None:
+        if handler is not None:  # (a server never says HELLO: its ack is not read)
+            if hasattr(message, "ack"):
+                self.seq.acked(message.ack)  # counts our own DATA: the same in every epoch
             handler(self, message, refused)
         return self._drain()
 
@@ -291,7 +295,8 @@ class ClientSessionMachine(Machine):
             self._lost(message.seq)
 
     _handlers = {codec.PingOk: _onPingOk, codec.Unknown: _onUnknown, codec.Refused: _onRefused,
-                 codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData}
+                 codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData,
+                 codec.Ack: _acknowledged}
 
     def _lost(self, seq: int) -> None:
         if self.now - self.helloAt < self.reattachPause:
@@ -385,10 +390,10 @@ class ServerSessionMachine(Machine):
                 self._emit(SendTo(peer, codec.encode(codec.Unknown())))
         else:
             session.lastHeard = now
-            if hasattr(message, "ack"):
-                session.seq.acked(message.ack)
             handler = self._handlers.get(type(message))
-            if handler is not None:
+            if handler is not None:  # (a client never says WELCOME: its ack is not read)
+                if hasattr(message, "ack"):
+                    session.seq.acked(message.ack)
                 handler(self, session, message, refused)
         return self._drain()
 
@@ -405,7 +410,7 @@ class ServerSessionMachine(Machine):
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
 
-    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData}
+    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData, codec.Ack: _acknowledged}
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""

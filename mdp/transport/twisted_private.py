@@ -78,7 +78,9 @@ _FORWARDERS = {private_class(module, name): inner for module, name, inner, _ in 
 def shortcut_reads(protocol: Any) -> None:
     """Hand *protocol*'s ``dataReceived`` to the outermost wrapper if all between only pass reads on."""
     outer = inner = getattr(protocol.transport, "protocol", None)
-    while type(inner) in _FORWARDERS:
+    for _ in range(len(_FORWARDERS)):  # (each kind of wrapper once: no loop on a cycle)
+        if type(inner) not in _FORWARDERS:
+            break
         inner = getattr(inner, _FORWARDERS[type(inner)], None)
     if inner is protocol and outer is not protocol:
         outer.dataReceived = protocol.dataReceived
