@@ -16,17 +16,11 @@ import pytest_twisted
 from twisted.internet import defer, threads
 
 from mdp import Broker, Client, Final, HeartbeatPolicy, Worker
-from tests.procs import Process, python, wait_until
+from tests.procs import Process, bounded, python, reactor, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.path.join(HERE, "majortomo_peers.py")
 HB = HeartbeatPolicy(interval=0.5, liveness=6)
-
-
-def reactor() -> Any:
-    from twisted.internet import reactor as r
-
-    return r
 
 
 def majortomo_request(endpoint: str, service: bytes, frames: list[bytes]) -> list[bytes]:
@@ -44,13 +38,9 @@ async def our_broker() -> tuple[Broker, str]:
     return broker, bound.endpoint
 
 
-async def with_timeout(d: defer.Deferred, seconds: float = 30) -> Any:
-    return await d.addTimeout(seconds, reactor())
-
-
 async def bound_endpoint(mt_broker: Process) -> str:
     """The endpoint a majortomo broker process says it bound."""
-    match = await with_timeout(mt_broker.waitFor(r"BOUND (\S+)"))
+    match = await bounded(mt_broker.waitFor(r"BOUND (\S+)"), 30)
     return "zmq:" + match.group(1).decode()
 
 
@@ -60,9 +50,9 @@ async def test_majortomo_client_through_our_broker_to_majortomo_worker() -> None
     address = endpoint[len("zmq:"):]
     worker = Process(reactor(), python(PEERS, "worker", address, "upper"))
     try:
-        await with_timeout(worker.waitFor("WORKER STARTED"))
-        reply = await with_timeout(threads.deferToThread(
-            majortomo_request, address, b"upper", [b"one", b"two"]))
+        await bounded(worker.waitFor("WORKER STARTED"), 30)
+        reply = await bounded(threads.deferToThread(
+            majortomo_request, address, b"upper", [b"one", b"two"]), 30)
         assert reply == [b"mt:one", b"mt:two"]
         # the broker registered the worker in the majortomo dialect
         (ref,) = broker.workers.values()
@@ -87,11 +77,11 @@ async def test_our_client_through_majortomo_broker_to_our_worker() -> None:
         worker.start()
         client = Client(endpoint, reactor(), timeout=10, retries=1, dialect="majortomo")
         partials: list[list[bytes]] = []
-        reply = await with_timeout(client.request("ours", b"x", onPartial=partials.append))
+        reply = await bounded(client.request("ours", b"x", onPartial=partials.append), 30)
         assert partials == [[b"partial", b"x"]]
         assert reply == [b"final", b"x"]
         for n in range(5):
-            assert await with_timeout(client.request("ours", str(n))) == [b"final", str(n).encode()]
+            assert await bounded(client.request("ours", str(n)), 30) == [b"final", str(n).encode()]
     finally:
         if client is not None:
             await client.close()
@@ -112,11 +102,11 @@ async def test_mixed_framings_on_one_broker() -> None:
     mt_worker = Process(reactor(), python(PEERS, "worker", address, "theirs"))
     client = Client(endpoint, reactor(), timeout=15, retries=1)
     try:
-        await with_timeout(mt_worker.waitFor("WORKER STARTED"))
-        reply = await with_timeout(threads.deferToThread(
-            majortomo_request, address, b"ours", [b"a"]))
+        await bounded(mt_worker.waitFor("WORKER STARTED"), 30)
+        reply = await bounded(threads.deferToThread(
+            majortomo_request, address, b"ours", [b"a"]), 30)
         assert reply == [b"ours:a"]
-        assert await with_timeout(client.request("theirs", b"b")) == [b"mt:b"]
+        assert await bounded(client.request("theirs", b"b"), 30) == [b"mt:b"]
     finally:
         await client.close()
         await ours.stop()
@@ -146,7 +136,7 @@ async def test_majortomo_broker_serves_a_concurrent_worker_as_many_workers() -> 
         assert worker.busy == 3
         for d in held:
             d.callback(None)
-        assert [await with_timeout(r) for r in replies] == [[b"ok", str(n).encode()]
+        assert [await bounded(r, 30) for r in replies] == [[b"ok", str(n).encode()]
                                                             for n in range(3)]
     finally:
         if client is not None:

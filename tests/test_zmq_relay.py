@@ -17,22 +17,12 @@ from mdp import Broker, Client, HeartbeatPolicy, Worker
 from mdp.majordomo import codec
 from mdp.messages import RELAYED, envelope, is_relayed, relayed_peer, routing_id
 from mdp.transport import zmqchannels
-from tests.procs import Process, python, wait_until
+from tests.procs import Process, bounded, python, reactor, wait_until
 from tests.test_interop_majortomo import PEERS, bound_endpoint
 
 pytestmark = pytest.mark.timeout(60)
 
 HB = HeartbeatPolicy(interval=0.5, liveness=6)
-
-
-def reactor() -> Any:
-    from twisted.internet import reactor as r
-
-    return r
-
-
-async def with_timeout(d: defer.Deferred, seconds: float = 20) -> Any:
-    return await d.addTimeout(seconds, reactor())
 
 
 def test_a_relayed_peer_key_round_trips_to_its_envelope() -> None:
@@ -92,7 +82,7 @@ async def test_the_broker_serves_peers_behind_relay_hops_and_answers_on_their_ho
     broker = Broker(reactor(), heartbeat=HB)
     bound = await broker.listen("zmq:tcp://127.0.0.1:*")
     try:
-        seen = await with_timeout(threads.deferToThread(_raw_peers, bound.endpoint[4:]), 30)
+        seen = await bounded(threads.deferToThread(_raw_peers, bound.endpoint[4:]), 30)
         assert sorted(body[0] for body in seen["requests"]) == [b"a", b"b", b"c"]
         assert sorted(seen["client"]) == [
             [b"hopA", codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"echo:a"],
@@ -123,7 +113,7 @@ async def test_a_routing_id_posing_as_a_relayed_peer_is_dropped() -> None:
     broker = Broker(reactor(), heartbeat=HB)
     bound = await broker.listen("zmq:tcp://127.0.0.1:*")
     try:
-        assert not await with_timeout(threads.deferToThread(_posing, bound.endpoint[4:]))
+        assert not await bounded(threads.deferToThread(_posing, bound.endpoint[4:]), 20)
         assert bound.hostileIds == 1
     finally:
         await broker.close()
@@ -151,7 +141,7 @@ async def test_a_client_and_a_concurrent_worker_share_one_socket_each() -> None:
         while held:
             held.pop(0).callback(None)
             await wait_until(lambda: held or all(r.called for r in replies), 10)
-        assert [await with_timeout(r) for r in replies] == [[b"ok", str(n).encode()]
+        assert [await bounded(r, 20) for r in replies] == [[b"ok", str(n).encode()]
                                                             for n in range(8)]
         # after the probe's answer: the worker's later sessions and the client's
         # later pipes are relay hops on one DEALER each
@@ -177,8 +167,8 @@ async def test_against_majortomo_each_pipe_is_a_dealer_of_its_own() -> None:
         worker.start()
         client = Client(endpoint, reactor(), timeout=10, retries=1, dialect="majortomo",
                         maxConnections=4)
-        replies = await with_timeout(defer.gatherResults(
-            [client.request("up", f"x{n}") for n in range(8)]))
+        replies = await bounded(defer.gatherResults(
+            [client.request("up", f"x{n}") for n in range(8)]), 20)
         assert replies == [[f"X{n}".encode()] for n in range(8)]
         links = [*worker.links.values(), *client._links.values()]
         assert [link.state for link in links] == [zmqchannels.UNANSWERED] * 2

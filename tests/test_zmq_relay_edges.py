@@ -20,21 +20,11 @@ from mdp.policy import Limits
 from mdp.transport import zmqchannels
 from mdp.transport.curve import keygen
 from tests.curve_router import Recorder, claim, curve_router
-from tests.procs import wait_until
+from tests.procs import bounded, reactor, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 HB = HeartbeatPolicy(interval=0.5, liveness=6)
-
-
-def reactor() -> Any:
-    from twisted.internet import reactor as r
-
-    return r
-
-
-async def with_timeout(d: defer.Deferred, seconds: float = 20) -> Any:
-    return await d.addTimeout(seconds, reactor())
 
 
 def _curve(tmp_path: Path) -> dict[str, str]:
@@ -88,7 +78,7 @@ async def _one_big_reply(curve: dict[str, str] | None) -> dict[str, Any]:
         assert link.state is zmqchannels.RELAYING and len(link.relayed) == 2
         big = client.request("svc", "big")
         try:
-            await with_timeout(big, 10)
+            await bounded(big, 10)
         except ReplyTooLarge:
             pass  # right: that one reply was over the client's limits
         from twisted.internet import task
@@ -101,7 +91,7 @@ async def _one_big_reply(curve: dict[str, str] | None) -> dict[str, Any]:
             held.pop(0).callback(None)
         await wait_until(lambda: len(results) == 3, 10)
         outcome["slow"] = [results[n] for n in range(3)]
-        outcome["later"] = [await with_timeout(r.addErrback(lambda f: f.value)) for r in later]
+        outcome["later"] = [await bounded(r.addErrback(lambda f: f.value), 20) for r in later]
     finally:
         await client.close()
         await worker.stop()
