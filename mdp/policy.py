@@ -15,16 +15,18 @@ from typing import Any, Callable, Optional, Sequence
 import attrs
 
 
-def _finite(value: Any) -> bool:
-    """*value* is a finite number (an int, however large, is)."""
-    return isinstance(value, int) or math.isfinite(value)
-
-
-def _at_least(minimum: float) -> object:
-    """An attrs validator: a finite number, at least *minimum*."""
-    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
-        if not (_finite(value) and value >= minimum):
-            raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
+def _number(least: float, *, above: bool = False, below: Optional[float] = None,
+            infinite: bool = False, what: str = "") -> Any:
+    """An attrs validator: a real number (not a bool) at least (*above*: above) *least* and
+    below *below*, finite unless *infinite*; *what* comes before the name in the error."""
+    def check(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        name = what + attribute.name
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not (value > least if above else value >= least) or not (below is None or value < below)):
+            raise ValueError(f"{name} must be {'above' if above else 'at least'} {least}"
+                             f"{'' if below is None else f' and below {below}'}, got {value!r}")
+        if not (infinite or isinstance(value, int) or math.isfinite(value)):
+            raise ValueError(f"{name} must be finite, got {value!r}")
 
     return check
 
@@ -35,14 +37,10 @@ class HeartbeatPolicy:
     ``interval * liveness`` seconds is dead.  Defaults follow MDP/0.2 and the
     Guide's Paranoid Pirate: 2.5 s × 3."""
 
-    interval: float = 2.5
-    liveness: int = 3
+    interval: float = attrs.field(default=2.5, validator=_number(0, above=True, what="heartbeat "))
+    liveness: int = attrs.field(default=3, validator=_number(1, what="heartbeat "))
 
     def __attrs_post_init__(self) -> None:
-        if not (_finite(self.interval) and self.interval > 0):
-            raise ValueError(f"heartbeat interval must be a finite positive number, got {self.interval}")
-        if not (_finite(self.liveness) and self.liveness >= 1):
-            raise ValueError(f"heartbeat liveness must be at least 1, got {self.liveness}")
         try:
             expiry = self.interval * self.liveness
         except OverflowError:
@@ -108,23 +106,6 @@ class EndpointRotation:
         return self.endpoints[self.index]
 
 
-def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
-    """*initial* finite and positive, *maximum* positive (``inf``: no cap),
-    *factor* finite and at least 1."""
-    factor = attribute.name == "factor"
-    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if not (number and (value >= 1 if factor else value > 0)
-            and (math.isfinite(value) or attribute.name == "maximum")):
-        raise ValueError(f"backoff {attribute.name} must be a number "
-                         f"{'of at least 1' if factor else 'above 0'}, got {value!r}")
-
-
-def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
-        raise ValueError(f"backoff jitter must be a fraction from 0 up to (not including) 1, "
-                         f"got {value!r}")
-
-
 @attrs.frozen
 class Backoff:
     """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.
@@ -132,10 +113,11 @@ class Backoff:
     *jitter* of itself, so peers that lost the same server come back spread
     out; ``jitter=0`` gives the exact schedule."""
 
-    initial: float = attrs.field(default=1.0, validator=_check_backoff)
-    maximum: float = attrs.field(default=32.0, validator=_check_backoff)
-    factor: float = attrs.field(default=2.0, validator=_check_backoff)
-    jitter: float = attrs.field(default=0.0, validator=_check_jitter)
+    initial: float = attrs.field(default=1.0, validator=_number(0, above=True, what="backoff "))
+    maximum: float = attrs.field(default=32.0, validator=_number(0, above=True, infinite=True,
+                                                                 what="backoff "))
+    factor: float = attrs.field(default=2.0, validator=_number(1, what="backoff "))
+    jitter: float = attrs.field(default=0.0, validator=_number(0, below=1, what="backoff "))
     random: Callable[[], float] = attrs.field(default=_random.random, eq=False, repr=False)
 
     def delay(self, attempt: int, most: Optional[float] = None) -> float:
@@ -246,15 +228,15 @@ class Limits:
     from one IP address (0: ``maxConnections``).  Use the same message limits
     on every node."""
 
-    maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
-    maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_at_least(8))
-    maxOutputBytes: int = attrs.field(default=64 * MiB, validator=_at_least(64))
-    maxConnections: int = attrs.field(default=10_000, validator=_at_least(1))
-    handshakeTimeout: float = attrs.field(default=10.0, validator=_at_least(0.001))
-    recordTimeout: float = attrs.field(default=30.0, validator=_at_least(0.001))
+    maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_number(64))
+    maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_number(8))
+    maxOutputBytes: int = attrs.field(default=64 * MiB, validator=_number(64))
+    maxConnections: int = attrs.field(default=10_000, validator=_number(1))
+    handshakeTimeout: float = attrs.field(default=10.0, validator=_number(0.001))
+    recordTimeout: float = attrs.field(default=30.0, validator=_number(0.001))
     #: bytes of unfinished stream records the whole process holds (``framing.BUFFERED``)
-    maxBufferedBytes: int = attrs.field(default=256 * MiB, validator=_at_least(64))
-    maxConnectionsPerAddress: int = attrs.field(default=0, validator=_at_least(0))
+    maxBufferedBytes: int = attrs.field(default=256 * MiB, validator=_number(64))
+    maxConnectionsPerAddress: int = attrs.field(default=0, validator=_number(0))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""
