@@ -33,11 +33,6 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-def _code_label(code: bytes) -> str:
-    """A status code as a label value: three digits, or ``other``."""
-    return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
-
-
 def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
     """*family* with one sample per label set of *totals*."""
     for labels, total in totals.items():
@@ -49,6 +44,8 @@ class _Metrics:
     """Counters, and a histogram for each ``*_seconds`` name, in *registry* (default: a fresh
     one): one a row of attribute, name after *prefix*, help and labels; :meth:`collect`, the
     registry's custom-collector hook, reads the node's state at scrape time."""
+
+    _node: Any = None  # what :meth:`watch` was given
 
     def __init__(self, registry: Optional[CollectorRegistry], prefix: str,
                  rows: list[tuple[str, str, str, list[str]]]) -> None:
@@ -65,6 +62,10 @@ class _Metrics:
     def describe(self) -> list[Metric]:
         return []  # not known before a scrape: never checked for duplicates
 
+    def watch(self, node: Any) -> None:
+        """Read *node*'s state at each scrape."""
+        self._node = node
+
 
 class BrokerMetrics(_Metrics):
     """What a :class:`~mdp.majordomo.broker.Broker` counts, in *registry* (default: a fresh one)."""
@@ -73,7 +74,6 @@ class BrokerMetrics(_Metrics):
                  maxServices: int = MAX_SERVICES) -> None:
         self.maxServices = maxServices
         self._values: dict[bytes, str] = {}  # service names given a label value of their own
-        self._broker: Any = None
         super().__init__(registry, "mdp_broker", [
             ("requests", "requests", "Client requests received, by service.", ["service"]),
             ("replies", "replies", "Replies (FINAL) passed from workers to clients, by service.",
@@ -99,16 +99,12 @@ class BrokerMetrics(_Metrics):
              "by reason.", ["reason"]),
         ])
 
-    def watch(self, broker: Any) -> None:
-        """Read *broker*'s state at each scrape."""
-        self._broker = broker
-
     def _labels(self, name: bytes) -> str:
         """*name*'s label value: :data:`OTHER` beyond ``maxServices`` names, and beyond half
         for names no worker registered for (they cannot crowd out real services)."""
         value = self._values.get(name)
         if value is None:
-            count, broker = len(self._values), self._broker
+            count, broker = len(self._values), self._node
             unregistered = broker is not None and not getattr(broker.services.get(name), "registered", False)
             if count >= self.maxServices or (count >= self.maxServices // 2 and unregistered):
                 return OTHER
@@ -125,8 +121,9 @@ class BrokerMetrics(_Metrics):
         """A FINAL went to the client: a worker's after *served* seconds
         (None for the broker's own answers), an error reply if *code*."""
         name = self._labels(service)
-        if code is not None:
-            self.errorReplies.labels(name, _code_label(code)).inc()
+        if code is not None:  # labelled three digits, or "other"
+            self.errorReplies.labels(name, code.decode() if len(code) == 3 and code.isdigit()
+                                     else "other").inc()
         else:
             self.replies.labels(name).inc()
         if served is not None:
@@ -148,7 +145,7 @@ class BrokerMetrics(_Metrics):
         self.rejected.labels(reason).inc()
 
     def collect(self) -> Iterable[Metric]:
-        broker = self._broker
+        broker = self._node
         if broker is None:
             return
         snapshot = broker.snapshot(workerLimit=0)
@@ -264,7 +261,6 @@ class FreelanceMetrics(_Metrics):
     """What a :class:`~mdp.freelance.FreelanceServer` counts."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self._server: Any = None
         super().__init__(registry, "mdp_freelance", [
             ("requests", "requests", "Requests received.", []),
             ("pings", "pings", "PINGs answered with PONG.", []),
@@ -275,11 +271,8 @@ class FreelanceMetrics(_Metrics):
             ("handlerSeconds", "handler_seconds", "Time from a request to its reply.", []),
         ])
 
-    def watch(self, server: Any) -> None:
-        self._server = server
-
     def collect(self) -> Iterable[Metric]:
-        server = self._server
+        server = self._node
         if server is None:
             return
         yield GaugeMetricFamily("mdp_freelance_pending", "Requests being handled.",
