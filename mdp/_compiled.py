@@ -4,6 +4,7 @@ of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -42,8 +43,6 @@ _BUILD = "build"
 
 _RECORDED = (*MODULES, *ACCELERATORS)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-_records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
 
 
 def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -105,21 +104,15 @@ def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
             if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
 
 
-def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
-    if package not in _records:
-        _records[package] = read_record(package)
-    return _records[package]
+_record_of = functools.lru_cache(maxsize=None)(read_record)  # what the import hook reads, once
 
 
 def current(package: str, name: str, compiled: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
     """Whether *compiled* was built from *name*'s current source (True without a record)."""
     if record is None:
         return True
-    entry = record.get(name)
-    if entry is None:
-        return False
     try:
-        return source_signature(package, name) == entry[:2] and _signature(compiled) == entry[2:]
+        return name in record and (*source_signature(package, name), *_signature(compiled)) == record[name]
     except OSError:
         return False
 
@@ -140,13 +133,9 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
     """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
-    if [_BUILD, build] not in (_record_lines(package) or []):
-        return None
     compiled = compiled_file(*_paths(package, name))
-    record = read_record(package)
-    if compiled is None or record is None or not current(package, name, compiled, record):
-        return None
-    return compiled
+    built = [_BUILD, build] in (_record_lines(package) or []) and compiled is not None
+    return compiled if built and current(package, name, compiled, read_record(package) or {}) else None
 
 
 def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
@@ -179,8 +168,7 @@ def remove_compiled(package: str) -> None:
         compiled = compiled_file(*_paths(package, name))
         if compiled is not None:
             os.remove(compiled)
-    if os.path.exists(os.path.join(package, RECORD)):
-        os.remove(os.path.join(package, RECORD))
+    write_record(package, builtSince=0)  # of no module: removes the record
 
 
 class SourceFirst:

@@ -41,7 +41,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def find(package: Path) -> object:
-    _compiled._records.pop(os.path.normpath(str(package)), None)  # read the record afresh
+    _compiled._record_of.cache_clear()  # read the record afresh
     return _compiled.SourceFirst.find_spec(NAME, [str(package / "majordomo")])
 
 
