@@ -143,38 +143,23 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
-def _failure(result: Any) -> Optional[str]:
-    """What went wrong, if *result* is an exception."""
-    return f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
+def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]]) -> list[tuple[Any, Optional[str]]]:
+    """Each row sent: its reply's frames and None, or None and what went wrong."""
+    requests = [_request(row) for row in rows]
+    return [(None, f"{type(r).__name__}: {r}") if isinstance(r, BaseException) else (r, None)
+            for r in (call_many(call, requests) if requests else [])]
 
 
 def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str) -> tuple[Any, Any]:
     """One batch's request *columns* (Arrow arrays) sent: its reply and error arrays."""
     import pyarrow as pa
 
-    requests = [_request(row) for row in zip(*(c.to_pylist() for c in columns))]
-    results = call_many(call, requests) if requests else []
+    results = _replies(call, zip(*(c.to_pylist() for c in columns)))
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
     reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
              "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
-    return (pa.array([None if _failure(r) else reply(r) for r in results], type=kind),
-            pa.array([_failure(r) for r in results], type=pa.string()))
-
-
-def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
-                  errorCol: Optional[str]) -> Any:
-    def mapper(batches: Iterable[Any]) -> Iterator[Any]:
-        import pyarrow as pa
-
-        for batch in batches:
-            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
-            arrays, names = [*batch.columns, replies], [*batch.schema.names, outputCol]
-            if errorCol is not None:
-                arrays.append(errors)
-                names.append(errorCol)
-            yield pa.RecordBatch.from_arrays(arrays, names=names)
-
-    return mapper
+    return (pa.array([None if failure else reply(r) for r, failure in results], type=kind),
+            pa.array([failure for _, failure in results], type=pa.string()))
 
 
 # --- driver side -----------------------------------------------------------------
@@ -211,8 +196,15 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
     schema = _output_schema(df, inputs, added, outputType)
-    mapper = _arrow_mapper(call, inputs, outputCol, outputType,
-                           errorCol if onError == "column" else None)
+
+    def mapper(batches: Iterable[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for batch in batches:
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
+            arrays = [*batch.columns, *[replies, errors][:len(added)]]  # the error column if added
+            yield pa.RecordBatch.from_arrays(arrays, names=[*batch.schema.names, *added])
+
     return df.mapInArrow(mapper, schema)
 
 
@@ -297,11 +289,8 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
-            requests = [_request([e] if isinstance(e, (str, bytes, bytearray)) or e is None
-                                 else list(e)) for e in chunk]
-            for result in call_many(call, requests):
-                failure = _failure(result)
-                reply = None if failure else result
+            rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
+            for reply, failure in _replies(call, rows):
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)
