@@ -1,8 +1,7 @@
-"""What every pattern agrees on about message bodies: frames from a caller's arguments,
-and error replies.  MDP/0.2 and Freelance have no error command: a failed request gets
-a reply of three frames, ``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]``
-(the marker starts with a NUL byte); our clients raise the :class:`~mdp.errors.RemoteError`
-subclass for the code."""
+"""What every pattern agrees on about message bodies: frames from a caller's arguments, and error
+replies.  MDP/0.2 and Freelance have no error command: a failed request gets a reply of three frames,
+``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]`` (the marker starts with a NUL byte); our
+clients raise the :class:`~mdp.errors.RemoteError` subclass for the code."""
 
 from __future__ import annotations
 

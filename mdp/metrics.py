@@ -410,9 +410,8 @@ class _MetricsSite(Site):
         self.channels: dict[_MetricsChannel, None] = {}
 
     def buildProtocol(self, addr: Any) -> Any:
-        """At maxConnections, the oldest connection that has had no answer (a
-        slow or silent client) is closed to admit the newcomer; if every one
-        has had an answer, the newcomer is refused."""
+        """At maxConnections, the oldest connection that has had no answer (a slow or silent client) is
+        closed to admit the newcomer; if every one has had an answer, the newcomer is refused."""
         if len(self.channels) >= self.maxConnections:
             idle = next((channel for channel in self.channels if not channel.served), None)
             if idle is None:
@@ -440,10 +439,9 @@ class _MetricsSite(Site):
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
-    """A quiet Site serving *registry* at ``/metrics``, within bounds a client
-    cannot push it past: *maxConnections* open, a whole request within
-    *requestTimeout* seconds, no body over *maxBodyBytes* (413), no reading
-    while responses are unsent beyond the transport's buffer."""
+    """A quiet Site serving *registry* at ``/metrics``, within bounds a client cannot push it past:
+    *maxConnections* open, a whole request within *requestTimeout* seconds, no body over *maxBodyBytes*
+    (413), no reading while responses are unsent beyond the transport's buffer."""
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),

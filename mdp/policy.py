@@ -1,6 +1,5 @@
-"""Policies shared by every pattern, so none grows its own: heartbeating and
-liveness, reconnect backoff, endpoint rotation, limits, access control,
-throttled warnings, and reactor and duration helpers."""
+"""Policies shared by every pattern, so none grows its own: heartbeating and liveness, reconnect backoff,
+endpoint rotation, limits, access control, throttled warnings, and reactor and duration helpers."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def _number(least: float, *, above: bool = False, below: Optional[float] = None,
 
 @attrs.frozen
 class HeartbeatPolicy:
-    """Send a heartbeat every *interval* seconds; a peer silent for
-    ``interval * liveness`` seconds is dead.  Defaults follow MDP/0.2 and the
-    Guide's Paranoid Pirate: 2.5 s × 3."""
+    """Send a heartbeat every *interval* seconds; a peer silent for ``interval * liveness`` seconds is
+    dead.  Defaults follow MDP/0.2 and the Guide's Paranoid Pirate: 2.5 s × 3."""
 
     interval: float = attrs.field(default=2.5, validator=_number(0, above=True, what="heartbeat "))
     liveness: int = attrs.field(default=3, validator=_number(1, what="heartbeat "))
@@ -83,8 +81,7 @@ class Liveness:
 
 
 class EndpointRotation:
-    """The endpoints of a failover list and which one is in use
-    (:meth:`advance`: round-robin)."""
+    """The endpoints of a failover list and which one is in use (:meth:`advance`: round-robin)."""
 
     __slots__ = ("endpoints", "index")
 
@@ -108,10 +105,9 @@ class EndpointRotation:
 
 @attrs.frozen
 class Backoff:
-    """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.
-    Each delay is shortened at random (*random*, in ``[0, 1)``) by up to
-    *jitter* of itself, so peers that lost the same server come back spread
-    out; ``jitter=0`` gives the exact schedule."""
+    """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.  Each delay is shortened
+    at random (*random*, in ``[0, 1)``) by up to *jitter* of itself, so peers that lost the same server
+    come back spread out; ``jitter=0`` gives the exact schedule."""
 
     initial: float = attrs.field(default=1.0, validator=_number(0, above=True, what="backoff "))
     maximum: float = attrs.field(default=32.0, validator=_number(0, above=True, infinite=True,
@@ -121,8 +117,7 @@ class Backoff:
     random: Callable[[], float] = attrs.field(default=_random.random, eq=False, repr=False)
 
     def delay(self, attempt: int, most: Optional[float] = None) -> float:
-        """Delay before reconnection *attempt* (0 for the first); *most*
-        caps it before the jitter."""
+        """Delay before reconnection *attempt* (0 for the first); *most* caps it before the jitter."""
         try:
             delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum, MAX_SECONDS)
         except OverflowError:
@@ -220,13 +215,11 @@ def held_bytes(frames: Sequence[bytes]) -> int:
 
 @attrs.frozen
 class Limits:
-    """What one peer may cost a node.  *maxMessageBytes* and *maxFrames* bound
-    every message received (before it is buffered) and sent (a 413 instead).
-    The rest bind a listening side: *maxOutputBytes* unsent per peer, and on
-    streams *maxConnections*, *handshakeTimeout* (seconds to a first message)
-    and *recordTimeout* (to complete a record), and *maxConnectionsPerAddress*
-    from one IP address (0: ``maxConnections``).  Use the same message limits
-    on every node."""
+    """What one peer may cost a node.  *maxMessageBytes* and *maxFrames* bound every message received
+    (before it is buffered) and sent (a 413 instead).  The rest bind a listening side: *maxOutputBytes*
+    unsent per peer, and on streams *maxConnections*, *handshakeTimeout* (seconds to a first message) and
+    *recordTimeout* (to complete a record), and *maxConnectionsPerAddress* from one IP address (0:
+    ``maxConnections``).  Use the same message limits on every node."""
 
     maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_number(64))
     maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_number(8))
@@ -305,11 +298,10 @@ def _matcher(patterns: tuple[str, ...]) -> Any:
 
 
 class AccessPolicy:
-    """Who may call and serve which services (docs/security.md).  *peers* maps
-    authenticated identities (a CURVE key in Z85, a TLS subject in RFC 4514)
-    to an :class:`AccessRule`; other authenticated peers get *default*,
-    unauthenticated ones *anonymous* (both allow nothing unless given).
-    ``mmi.*`` is always answered, about the services the asker may call."""
+    """Who may call and serve which services (docs/security.md).  *peers* maps authenticated identities
+    (a CURVE key in Z85, a TLS subject in RFC 4514) to an :class:`AccessRule`; other authenticated peers
+    get *default*, unauthenticated ones *anonymous* (both allow nothing unless given).  ``mmi.*`` is
+    always answered, about the services the asker may call."""
 
     def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
                  default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
@@ -327,10 +319,9 @@ class AccessPolicy:
 
     @classmethod
     def load(cls, path: str) -> AccessPolicy:
-        """Read a policy file (TOML: ``[[peer]]`` tables with an ``identity``,
-        ``[default]``, ``[anonymous]``, each with ``call`` and ``serve`` lists;
-        docs/security.md).  Raises ``ValueError`` naming the file and the
-        mistake; ``OSError`` if it cannot be read."""
+        """Read a policy file (TOML: ``[[peer]]`` tables with an ``identity``, ``[default]``,
+        ``[anonymous]``, each with ``call`` and ``serve`` lists; docs/security.md).  Raises
+        ``ValueError`` naming the file and the mistake; ``OSError`` if it cannot be read."""
         import tomllib
 
         with open(path, "rb") as f:
