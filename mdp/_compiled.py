@@ -50,12 +50,14 @@ def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     return value not in ("", "0")
 
 
-def compiled_file(directory: str, leaf: str) -> Optional[str]:
-    for suffix in EXTENSION_SUFFIXES:
-        candidate = os.path.join(directory, leaf + suffix)
-        if os.path.isfile(candidate):
-            return candidate
-    return None
+def _base(package: str, name: str) -> str:
+    """Module *name*'s path under *package*, without a suffix."""
+    return os.path.join(package, *name.split(".")[1:])
+
+
+def compiled_file(base: str) -> Optional[str]:
+    """The compiled module at *base* (a path without its suffix), if there is one."""
+    return next((base + suffix for suffix in EXTENSION_SUFFIXES if os.path.isfile(base + suffix)), None)
 
 
 def _signature(path: str) -> tuple[int, int]:
@@ -71,21 +73,10 @@ def cimported(name: str) -> list[str]:
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
     """Sizes and times, summed, of *name*'s source and its and its cimports' ``.pxd`` files."""
-    directory, leaf = _paths(package, name)
-    size, mtime = _signature(os.path.join(directory, leaf + (".pyx" if name in ACCELERATORS else ".py")))
-    for module in (name, *cimported(name)):
-        where, last = _paths(package, module)
-        declarations = os.path.join(where, last + ".pxd")
-        if os.path.isfile(declarations):
-            extra = _signature(declarations)
-            size, mtime = size + extra[0], mtime + extra[1]
+    paths = [_base(package, name) + (".pyx" if name in ACCELERATORS else ".py")]
+    paths += filter(os.path.isfile, [_base(package, module) + ".pxd" for module in (name, *cimported(name))])
+    size, mtime = map(sum, zip(*map(_signature, paths)))
     return size, mtime
-
-
-def _paths(package: str, name: str) -> tuple[str, str]:
-    """The directory of module *name* under *package*, and its last name."""
-    parts = name.split(".")[1:]
-    return os.path.join(package, *parts[:-1]), parts[-1]
 
 
 def _record_lines(package: str) -> Optional[list[list[str]]]:
@@ -120,7 +111,7 @@ def current(package: str, name: str, compiled: str, record: Optional[Mapping[str
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure`` (:data:`PURE_ENV`)
     or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
-    compiled = compiled_file(*_paths(package, name))
+    compiled = compiled_file(_base(package, name))
     if compiled is None:
         return "source"
     if pure_requested():
@@ -133,7 +124,7 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
     """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
-    compiled = compiled_file(*_paths(package, name))
+    compiled = compiled_file(_base(package, name))
     built = [_BUILD, build] in (_record_lines(package) or []) and compiled is not None
     return compiled if built and current(package, name, compiled, read_record(package) or {}) else None
 
@@ -143,7 +134,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
-        compiled = compiled_file(*_paths(package, name))
+        compiled = compiled_file(_base(package, name))
         if compiled is None:
             continue
         signature = _signature(compiled)
@@ -165,7 +156,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
 
 def remove_compiled(package: str) -> None:
     for name in _RECORDED:
-        compiled = compiled_file(*_paths(package, name))
+        compiled = compiled_file(_base(package, name))
         if compiled is not None:
             os.remove(compiled)
     write_record(package, builtSince=0)  # of no module: removes the record
@@ -189,7 +180,7 @@ class SourceFirst:
                 package = os.path.normpath(os.path.join(directory, *[os.pardir] * (name.count(".") - 1)))
                 runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
             else:
-                runSource = compiled_file(directory, leaf) is not None
+                runSource = compiled_file(os.path.join(directory, leaf)) is not None
             if not runSource:
                 return None
             from importlib.util import spec_from_file_location
