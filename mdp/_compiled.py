@@ -89,10 +89,9 @@ def _record_lines(package: str) -> Optional[list[list[str]]]:
 
 def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     lines = _record_lines(package)
-    if lines is None:
-        return None
-    return {fields[0]: tuple(map(int, fields[1:])) for fields in lines
-            if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
+    return None if lines is None else {
+        fields[0]: tuple(map(int, fields[1:])) for fields in lines
+        if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
 
 
 _record_of = functools.lru_cache(maxsize=None)(read_record)  # what the import hook reads, once
@@ -146,12 +145,11 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
     path = os.path.join(package, RECORD)
-    if not lines:
-        if os.path.exists(path):
-            os.remove(path)
-        return
-    with open(path, "w", encoding="ascii") as f:
-        f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
+    if lines:
+        with open(path, "w", encoding="ascii") as f:
+            f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def remove_compiled(package: str) -> None:

@@ -26,8 +26,7 @@ class IRouterReceiver(Interface):
 
 
 class IRouterTransport(IClosable):
-    """A bound socket that addresses many peers by opaque id (ZeroMQ ROUTER); ``close``
-    stops listening and drops every peer."""
+    """A bound socket addressing many peers by opaque id (ZeroMQ ROUTER); ``close`` unbinds and drops them."""
 
     endpoint = Attribute("An endpoint string a peer can connect to (with the port the OS picked).")
 
@@ -83,8 +82,7 @@ class IDealerTransport(IClosable):
 
 
 class IDealerChannels(IClosable):
-    """Many pipes to one bound peer over one shared connection, each its own peer; ``close``
-    closes every pipe and the connection."""
+    """Many pipes, each its own peer, to one bound peer over one connection; ``close`` closes them all."""
 
     def open(receiver: object) -> IDealerTransport:
         """A new pipe whose events go to *receiver*, an :class:`IDealerReceiver`."""
@@ -208,8 +206,7 @@ class IDatagramReceiver(Interface):
 
 
 class IDatagramTransport(IClosable):
-    """A datagram socket sending to one broadcast address or group, hearing its port; ``close``
-    stops listening."""
+    """A datagram socket sending to a broadcast address or group, hearing its port; ``close`` stops it."""
 
     host = Attribute("Our address, as the receivers of what we send see it.")
 

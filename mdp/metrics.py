@@ -311,8 +311,7 @@ def _peer(address: Any) -> str:
 
 
 class _RefusedConnection(Protocol):
-    """A connection over ``maxConnections``, aborted (a TLS wrapper would keep a
-    ``None`` protocol's socket open)."""
+    """A connection over ``maxConnections``, aborted (a TLS wrapper keeps a ``None`` protocol's open)."""
 
     def connectionMade(self) -> None:
         self.transport.abortConnection()
