@@ -33,8 +33,7 @@ class RequestTooLarge(MDPError, ValueError):
 
 
 class ReplyTooLarge(MDPError):
-    """A reply over this client's own limits was dropped; the request fails (a peer's 413 is
-    :class:`MessageTooLarge`)."""
+    """A reply over the client's limits was dropped; the request fails (a peer's 413: MessageTooLarge)."""
 
 
 class RequestTimeout(MDPError):

@@ -4,6 +4,7 @@ a node counts events as they happen; its state is read at scrape time."""
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -51,12 +52,8 @@ class _Metrics:
                  rows: list[tuple[str, str, str, list[str]]]) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         for attribute, name, doc, labels in rows:
-            if name.endswith("_seconds"):
-                instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
-                                            registry=self.registry)
-            else:
-                instrument = Counter(f"{prefix}_{name}", doc, labels, registry=self.registry)
-            setattr(self, attribute, instrument)
+            kind = partial(Histogram, buckets=SECONDS_BUCKETS) if name.endswith("_seconds") else Counter
+            setattr(self, attribute, kind(f"{prefix}_{name}", doc, labels, registry=self.registry))
         self.registry.register(self)
 
     def describe(self) -> list[Metric]:

@@ -169,8 +169,7 @@ def positive_seconds(name: str, value: Any) -> float:
 
 
 def whole_number(name: str, value: Any, least: int = 1, rule: str = "") -> int:
-    """*value* as a count: ``TypeError`` if no int, ``ValueError`` (naming
-    *name*, and *rule* if given) below *least*."""
+    """*value* as a count: ``TypeError`` if no int, ``ValueError`` (naming *name*, *rule*) below *least*."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
     if value < least:

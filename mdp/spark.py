@@ -63,18 +63,19 @@ def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> l
 _local = threading.local()
 
 
-def _new_client(kind: Any, call: ServiceCall) -> Any:
-    return kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
-                maxConnections=call.window, dialect=call.dialect)
+def _client(clients: dict[ServiceCall, Any], kind: Any, call: ServiceCall) -> Any:
+    """The client of *clients* for *call*; a new one (a *kind*) if it has none or a forked one."""
+    client = clients.get(call)
+    if client is None or getattr(client, "forked", False):
+        client = clients[call] = kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
+                                      maxConnections=call.window, dialect=call.dialect)
+    return client
 
 
 def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
     from mdp.blocking import Client
 
-    clients = _local.__dict__.setdefault("clients", {})
-    client = clients.get(call)
-    if client is None or client.forked:
-        client = clients[call] = _new_client(Client, call)
+    client = _client(_local.__dict__.setdefault("clients", {}), Client, call)
     replies = client.map(call.service, (r for r in requests if r is not None), window=call.window,
                          returnExceptions=True)
     results: list[Any] = []
@@ -97,9 +98,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
 
     from mdp.majordomo.client import Client
 
-    client = _clients.get(call)
-    if client is None:
-        client = _clients[call] = _new_client(Client, call)
+    client = _client(_clients, Client, call)
     results: list[Any] = [None] * len(requests)
     rows = iter(enumerate(requests))
     inFlight: set[defer.Deferred] = set()
