@@ -171,10 +171,9 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
     from mdp import transport
     from mdp.majordomo import codec
 
-    if onError not in ON_ERROR:
-        raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
-    if outputType not in OUTPUT_TYPES:
-        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
+    for option, value, choices in (("onError", onError, ON_ERROR), ("outputType", outputType, OUTPUT_TYPES)):
+        if value not in choices:
+            raise ValueError(f"{option} must be one of {choices}, not {value!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
     whole_number("retries", retries, rule="counts attempts and must be")
     whole_number("window", window)
