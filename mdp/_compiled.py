@@ -4,6 +4,7 @@ of sizes and times).  Imports nothing of the package."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -43,20 +44,20 @@ _BUILD = "build"
 _RECORDED = (*MODULES, *ACCELERATORS)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-_records: dict[str, Optional[dict[str, tuple[int, ...]]]] = {}
-
 
 def pure_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     value = (os.environ if environ is None else environ).get(PURE_ENV, "")
     return value not in ("", "0")
 
 
-def compiled_file(directory: str, leaf: str) -> Optional[str]:
-    for suffix in EXTENSION_SUFFIXES:
-        candidate = os.path.join(directory, leaf + suffix)
-        if os.path.isfile(candidate):
-            return candidate
-    return None
+def _base(package: str, name: str) -> str:
+    """Module *name*'s path under *package*, without a suffix."""
+    return os.path.join(package, *name.split(".")[1:])
+
+
+def compiled_file(base: str) -> Optional[str]:
+    """The compiled module at *base* (a path without its suffix), if there is one."""
+    return next((base + suffix for suffix in EXTENSION_SUFFIXES if os.path.isfile(base + suffix)), None)
 
 
 def _signature(path: str) -> tuple[int, int]:
@@ -72,21 +73,10 @@ def cimported(name: str) -> list[str]:
 
 def source_signature(package: str, name: str) -> tuple[int, int]:
     """Sizes and times, summed, of *name*'s source and its and its cimports' ``.pxd`` files."""
-    directory, leaf = _paths(package, name)
-    size, mtime = _signature(os.path.join(directory, leaf + (".pyx" if name in ACCELERATORS else ".py")))
-    for module in (name, *cimported(name)):
-        where, last = _paths(package, module)
-        declarations = os.path.join(where, last + ".pxd")
-        if os.path.isfile(declarations):
-            extra = _signature(declarations)
-            size, mtime = size + extra[0], mtime + extra[1]
+    paths = [_base(package, name) + (".pyx" if name in ACCELERATORS else ".py")]
+    paths += filter(os.path.isfile, [_base(package, module) + ".pxd" for module in (name, *cimported(name))])
+    size, mtime = map(sum, zip(*map(_signature, paths)))
     return size, mtime
-
-
-def _paths(package: str, name: str) -> tuple[str, str]:
-    """The directory of module *name* under *package*, and its last name."""
-    parts = name.split(".")[1:]
-    return os.path.join(package, *parts[:-1]), parts[-1]
 
 
 def _record_lines(package: str) -> Optional[list[list[str]]]:
@@ -99,27 +89,20 @@ def _record_lines(package: str) -> Optional[list[list[str]]]:
 
 def read_record(package: str) -> Optional[dict[str, tuple[int, ...]]]:
     lines = _record_lines(package)
-    if lines is None:
-        return None
-    return {fields[0]: tuple(map(int, fields[1:])) for fields in lines
-            if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
+    return None if lines is None else {
+        fields[0]: tuple(map(int, fields[1:])) for fields in lines
+        if len(fields) == 5 and fields[0] in _RECORDED and all(x.isdigit() for x in fields[1:])}
 
 
-def _record_of(package: str) -> Optional[dict[str, tuple[int, ...]]]:
-    if package not in _records:
-        _records[package] = read_record(package)
-    return _records[package]
+_record_of = functools.lru_cache(maxsize=None)(read_record)  # what the import hook reads, once
 
 
 def current(package: str, name: str, compiled: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> bool:
     """Whether *compiled* was built from *name*'s current source (True without a record)."""
     if record is None:
         return True
-    entry = record.get(name)
-    if entry is None:
-        return False
     try:
-        return source_signature(package, name) == entry[:2] and _signature(compiled) == entry[2:]
+        return name in record and (*source_signature(package, name), *_signature(compiled)) == record[name]
     except OSError:
         return False
 
@@ -127,7 +110,7 @@ def current(package: str, name: str, compiled: str, record: Optional[Mapping[str
 def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]]) -> str:
     """What an import of *name* runs: ``compiled``, ``source`` (none built), ``pure`` (:data:`PURE_ENV`)
     or ``stale`` (other sources, or :data:`CIMPORTS` not compiled)."""
-    compiled = compiled_file(*_paths(package, name))
+    compiled = compiled_file(_base(package, name))
     if compiled is None:
         return "source"
     if pure_requested():
@@ -140,13 +123,9 @@ def kind(package: str, name: str, record: Optional[Mapping[str, tuple[int, ...]]
 
 def reusable(package: str, name: str, build: str) -> Optional[str]:
     """The compiled *name*, if a build with fingerprint *build* made it from the current sources."""
-    if [_BUILD, build] not in (_record_lines(package) or []):
-        return None
-    compiled = compiled_file(*_paths(package, name))
-    record = read_record(package)
-    if compiled is None or record is None or not current(package, name, compiled, record):
-        return None
-    return compiled
+    compiled = compiled_file(_base(package, name))
+    built = [_BUILD, build] in (_record_lines(package) or []) and compiled is not None
+    return compiled if built and current(package, name, compiled, read_record(package) or {}) else None
 
 
 def write_record(package: str, builtSince: float, build: Optional[str] = None) -> None:
@@ -154,7 +133,7 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
     old = read_record(package) or {}
     lines = []
     for name in _RECORDED:
-        compiled = compiled_file(*_paths(package, name))
+        compiled = compiled_file(_base(package, name))
         if compiled is None:
             continue
         signature = _signature(compiled)
@@ -166,21 +145,19 @@ def write_record(package: str, builtSince: float, build: Optional[str] = None) -
             continue  # from no build we know of: runs as source
         lines.append(" ".join([name, *map(str, entry)]) + "\n")
     path = os.path.join(package, RECORD)
-    if not lines:
-        if os.path.exists(path):
-            os.remove(path)
-        return
-    with open(path, "w", encoding="ascii") as f:
-        f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
+    if lines:
+        with open(path, "w", encoding="ascii") as f:
+            f.writelines(([f"{_BUILD} {build}\n"] if build else []) + lines)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def remove_compiled(package: str) -> None:
     for name in _RECORDED:
-        compiled = compiled_file(*_paths(package, name))
+        compiled = compiled_file(_base(package, name))
         if compiled is not None:
             os.remove(compiled)
-    if os.path.exists(os.path.join(package, RECORD)):
-        os.remove(os.path.join(package, RECORD))
+    write_record(package, builtSince=0)  # of no module: removes the record
 
 
 class SourceFirst:
@@ -201,7 +178,7 @@ class SourceFirst:
                 package = os.path.normpath(os.path.join(directory, *[os.pardir] * (name.count(".") - 1)))
                 runSource = kind(package, name, _record_of(package)) in ("pure", "stale")
             else:
-                runSource = compiled_file(directory, leaf) is not None
+                runSource = compiled_file(os.path.join(directory, leaf)) is not None
             if not runSource:
                 return None
             from importlib.util import spec_from_file_location

@@ -33,8 +33,7 @@ class RequestTooLarge(MDPError, ValueError):
 
 
 class ReplyTooLarge(MDPError):
-    """A reply over this client's own limits was dropped; the request fails (a peer's 413 is
-    :class:`MessageTooLarge`)."""
+    """A reply over the client's limits was dropped; the request fails (a peer's 413: MessageTooLarge)."""
 
 
 class RequestTimeout(MDPError):
@@ -42,11 +41,8 @@ class RequestTimeout(MDPError):
 
     def __init__(self, service: bytes, attempts: int, elapsed: float, endpoints: Sequence[str] = (),
                  peer: str = "broker", failures: Optional[Mapping[str, str]] = None) -> None:
-        self.service = service
-        self.attempts = attempts
-        self.elapsed = elapsed
-        self.endpoints = tuple(endpoints)
-        self.failures = dict(failures or {})
+        self.service, self.attempts, self.elapsed = service, attempts, elapsed
+        self.endpoints, self.failures = tuple(endpoints), dict(failures or {})
         where = ""
         if self.endpoints:
             named = ", ".join(
@@ -72,9 +68,7 @@ class RemoteError(MDPError):
     code: bytes = b"500"  # the error reply's status code
 
     def __init__(self, service: bytes, code: bytes, message: str) -> None:
-        self.service = service
-        self.code = code
-        self.message = message
+        self.service, self.code, self.message = service, code, message
         super().__init__(f"service {service.decode('ascii', 'replace')!r} answered "
                          f"{code.decode('ascii', 'replace')}: {message}")
 

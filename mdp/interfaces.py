@@ -8,6 +8,13 @@ from typing import Optional
 from zope.interface import Attribute, Interface, implementer
 
 
+class IClosable(Interface):
+    """What is closed for good by :meth:`close`."""
+
+    def close():
+        """Close for good (what that stops: the interface says).  Returns a Deferred."""
+
+
 class IRouterReceiver(Interface):
     """The protocol side of a bound, ROUTER-like transport (a broker); with ``keepFramesFrom``."""
 
@@ -18,8 +25,8 @@ class IRouterReceiver(Interface):
         """*peer* went away or was cut off (ZeroMQ: only that); never inside ``sendMessage``."""
 
 
-class IRouterTransport(Interface):
-    """A bound socket that addresses many peers by opaque id (ZeroMQ ROUTER)."""
+class IRouterTransport(IClosable):
+    """A bound socket addressing many peers by opaque id (ZeroMQ ROUTER); ``close`` unbinds and drops them."""
 
     endpoint = Attribute("An endpoint string a peer can connect to (with the port the OS picked).")
 
@@ -28,9 +35,6 @@ class IRouterTransport(Interface):
 
     def disconnectPeer(peer: bytes) -> None:
         """Close the connection to *peer* once its output is sent (a no-op on ZeroMQ)."""
-
-    def close():
-        """Stop listening and drop every peer.  Returns a Deferred."""
 
 
 class IDealerReceiver(Interface):
@@ -60,7 +64,7 @@ class DealerReceiver:
         pass
 
 
-class IDealerTransport(Interface):
+class IDealerTransport(IClosable):
     """One outgoing pipe to a bound peer (ZeroMQ DEALER)."""
 
     endpoint = Attribute("The endpoint string this transport connects to.")
@@ -76,18 +80,12 @@ class IDealerTransport(Interface):
     def discardReceived() -> int:
         """Drop the messages not delivered yet and return how many."""
 
-    def close():
-        """Close for good.  Returns a Deferred."""
 
-
-class IDealerChannels(Interface):
-    """Many pipes to one bound peer over one shared connection, each its own peer."""
+class IDealerChannels(IClosable):
+    """Many pipes, each its own peer, to one bound peer over one connection; ``close`` closes them all."""
 
     def open(receiver: object) -> IDealerTransport:
         """A new pipe whose events go to *receiver*, an :class:`IDealerReceiver`."""
-
-    def close():
-        """Close every pipe and the connection for good.  Returns a Deferred."""
 
 
 class IStreamDecoder(Interface):
@@ -148,8 +146,8 @@ class IAuthenticatedRouter(Interface):
         """*peer*'s authenticated identity (a CURVE key in Z85, a TLS subject) or ``None``."""
 
 
-class IBroker(Interface):
-    """An MDP/0.2 broker."""
+class IBroker(IClosable):
+    """An MDP/0.2 broker; ``close`` unbinds everything."""
 
     def listen(endpoint: str, clients: bool = True, workers: bool = True):
         """Bind an endpoint; returns a Deferred firing with its IRouterTransport."""
@@ -159,9 +157,6 @@ class IBroker(Interface):
 
     def snapshot():
         """A read-only view of services, queues and workers."""
-
-    def close():
-        """Unbind everything; returns a Deferred."""
 
 
 class IWorker(Interface):
@@ -176,17 +171,14 @@ class IWorker(Interface):
         """Send DISCONNECT and close; returns a Deferred."""
 
 
-class IClient(Interface):
-    """An MDP/0.2 client."""
+class IClient(IClosable):
+    """An MDP/0.2 client; ``close`` fails pending requests and closes connections."""
 
     def request(service, *frames, timeout=None, retries=None, onPartial=None, onRestart=None):
         """A Deferred of the FINAL body; *onPartial* gets each PARTIAL body."""
 
     def stream(service, *frames, timeout=None):
         """An async iterator over every PARTIAL body and then the FINAL body."""
-
-    def close():
-        """Fail pending requests and close connections; returns a Deferred."""
 
 
 class IPeerRouterReceiver(Interface):
@@ -196,7 +188,7 @@ class IPeerRouterReceiver(Interface):
         """A message arrived from the server at *endpoint*."""
 
 
-class IPeerRouterTransport(Interface):
+class IPeerRouterTransport(IClosable):
     """One ROUTER-like connection to many servers, each addressed by its endpoint."""
 
     def connect(endpoint: str) -> None:
@@ -204,9 +196,6 @@ class IPeerRouterTransport(Interface):
 
     def sendMessage(endpoint: str, frames: list[bytes]) -> None:
         """Send *frames* to the server at *endpoint*; dropped if not connected."""
-
-    def close():
-        """Close every connection.  Returns a Deferred."""
 
 
 class IDatagramReceiver(Interface):
@@ -216,16 +205,13 @@ class IDatagramReceiver(Interface):
         """*data* came from the address *host*."""
 
 
-class IDatagramTransport(Interface):
-    """A datagram socket sending to one broadcast address or group, hearing its port."""
+class IDatagramTransport(IClosable):
+    """A datagram socket sending to a broadcast address or group, hearing its port; ``close`` stops it."""
 
     host = Attribute("Our address, as the receivers of what we send see it.")
 
     def send(data: bytes) -> None:
         """Send *data* to the destination; errors are logged, not raised."""
-
-    def close():
-        """Stop listening.  Returns a Deferred."""
 
 
 class IDiscoveryListener(Interface):

@@ -8,13 +8,10 @@ from typing import Any
 
 import attrs
 
-#: The decorator of action classes (not frozen: that is slow on a request's path).
-action_class = attrs.define(slots=True, weakref_slot=False)
-
 
 def action_type(module: str, name: str, *fields: str, frozen: bool = False, **defaults: Any) -> Any:
-    """An action (or, *frozen*, a hashable message) class of *module* with
-    *fields*, then those with *defaults*, as :data:`action_class` makes one."""
+    """An action (or, *frozen*, a hashable message) class of *module* with *fields*, then
+    those with *defaults*: slotted, not frozen by default (that is slow on a request's path)."""
     made = {**{field: attrs.field() for field in fields},
             **{field: attrs.field(default=value) for field, value in defaults.items()}}
     kind = attrs.make_class(name, made, slots=True, weakref_slot=False, frozen=frozen)

@@ -1,8 +1,7 @@
-"""What every pattern agrees on about message bodies: frames from a caller's arguments,
-and error replies.  MDP/0.2 and Freelance have no error command: a failed request gets
-a reply of three frames, ``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]``
-(the marker starts with a NUL byte); our clients raise the :class:`~mdp.errors.RemoteError`
-subclass for the code."""
+"""What every pattern agrees on about message bodies: frames from a caller's arguments, and error
+replies.  MDP/0.2 and Freelance have no error command: a failed request gets a reply of three frames,
+``[ERROR_MARKER, status code (ASCII digits), UTF-8 message]`` (the marker starts with a NUL byte); our
+clients raise the :class:`~mdp.errors.RemoteError` subclass for the code."""
 
 from __future__ import annotations
 
@@ -45,10 +44,7 @@ def parse_error_body(body: Sequence[bytes]) -> Optional[tuple[bytes, str]]:
 def remote_error(service: bytes, body: Sequence[bytes]) -> Optional[errors.RemoteError]:
     """The typed exception an error reply stands for, or ``None``."""
     parsed = parse_error_body(body)
-    if parsed is None:
-        return None
-    code, message = parsed
-    return _ERRORS.get(code, errors.RemoteError)(service, code, message)
+    return None if parsed is None else _ERRORS.get(parsed[0], errors.RemoteError)(service, *parsed)
 
 
 def request_frames(frames: Sequence[Frame], empty: bool = False) -> list[bytes]:

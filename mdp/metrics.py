@@ -4,6 +4,7 @@ a node counts events as they happen; its state is read at scrape time."""
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,11 +34,6 @@ MAX_SERVICES = 1000
 OTHER = "_other"
 
 
-def _code_label(code: bytes) -> str:
-    """A status code as a label value: three digits, or ``other``."""
-    return code.decode("ascii") if len(code) == 3 and code.isdigit() else "other"
-
-
 def _samples(family: Any, totals: dict[tuple[str, ...], float]) -> Any:
     """*family* with one sample per label set of *totals*."""
     for labels, total in totals.items():
@@ -50,20 +46,22 @@ class _Metrics:
     one): one a row of attribute, name after *prefix*, help and labels; :meth:`collect`, the
     registry's custom-collector hook, reads the node's state at scrape time."""
 
+    _node: Any = None  # what :meth:`watch` was given
+
     def __init__(self, registry: Optional[CollectorRegistry], prefix: str,
                  rows: list[tuple[str, str, str, list[str]]]) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         for attribute, name, doc, labels in rows:
-            if name.endswith("_seconds"):
-                instrument: Any = Histogram(f"{prefix}_{name}", doc, labels, buckets=SECONDS_BUCKETS,
-                                            registry=self.registry)
-            else:
-                instrument = Counter(f"{prefix}_{name}", doc, labels, registry=self.registry)
-            setattr(self, attribute, instrument)
+            kind = partial(Histogram, buckets=SECONDS_BUCKETS) if name.endswith("_seconds") else Counter
+            setattr(self, attribute, kind(f"{prefix}_{name}", doc, labels, registry=self.registry))
         self.registry.register(self)
 
     def describe(self) -> list[Metric]:
         return []  # not known before a scrape: never checked for duplicates
+
+    def watch(self, node: Any) -> None:
+        """Read *node*'s state at each scrape."""
+        self._node = node
 
 
 class BrokerMetrics(_Metrics):
@@ -73,7 +71,6 @@ class BrokerMetrics(_Metrics):
                  maxServices: int = MAX_SERVICES) -> None:
         self.maxServices = maxServices
         self._values: dict[bytes, str] = {}  # service names given a label value of their own
-        self._broker: Any = None
         super().__init__(registry, "mdp_broker", [
             ("requests", "requests", "Client requests received, by service.", ["service"]),
             ("replies", "replies", "Replies (FINAL) passed from workers to clients, by service.",
@@ -99,16 +96,12 @@ class BrokerMetrics(_Metrics):
              "by reason.", ["reason"]),
         ])
 
-    def watch(self, broker: Any) -> None:
-        """Read *broker*'s state at each scrape."""
-        self._broker = broker
-
     def _labels(self, name: bytes) -> str:
         """*name*'s label value: :data:`OTHER` beyond ``maxServices`` names, and beyond half
         for names no worker registered for (they cannot crowd out real services)."""
         value = self._values.get(name)
         if value is None:
-            count, broker = len(self._values), self._broker
+            count, broker = len(self._values), self._node
             unregistered = broker is not None and not getattr(broker.services.get(name), "registered", False)
             if count >= self.maxServices or (count >= self.maxServices // 2 and unregistered):
                 return OTHER
@@ -125,8 +118,9 @@ class BrokerMetrics(_Metrics):
         """A FINAL went to the client: a worker's after *served* seconds
         (None for the broker's own answers), an error reply if *code*."""
         name = self._labels(service)
-        if code is not None:
-            self.errorReplies.labels(name, _code_label(code)).inc()
+        if code is not None:  # labelled three digits, or "other"
+            self.errorReplies.labels(name, code.decode() if len(code) == 3 and code.isdigit()
+                                     else "other").inc()
         else:
             self.replies.labels(name).inc()
         if served is not None:
@@ -148,7 +142,7 @@ class BrokerMetrics(_Metrics):
         self.rejected.labels(reason).inc()
 
     def collect(self) -> Iterable[Metric]:
-        broker = self._broker
+        broker = self._node
         if broker is None:
             return
         snapshot = broker.snapshot(workerLimit=0)
@@ -264,7 +258,6 @@ class FreelanceMetrics(_Metrics):
     """What a :class:`~mdp.freelance.FreelanceServer` counts."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self._server: Any = None
         super().__init__(registry, "mdp_freelance", [
             ("requests", "requests", "Requests received.", []),
             ("pings", "pings", "PINGs answered with PONG.", []),
@@ -275,11 +268,8 @@ class FreelanceMetrics(_Metrics):
             ("handlerSeconds", "handler_seconds", "Time from a request to its reply.", []),
         ])
 
-    def watch(self, server: Any) -> None:
-        self._server = server
-
     def collect(self) -> Iterable[Metric]:
-        server = self._server
+        server = self._node
         if server is None:
             return
         yield GaugeMetricFamily("mdp_freelance_pending", "Requests being handled.",
@@ -318,8 +308,7 @@ def _peer(address: Any) -> str:
 
 
 class _RefusedConnection(Protocol):
-    """A connection over ``maxConnections``, aborted (a TLS wrapper would keep a
-    ``None`` protocol's socket open)."""
+    """A connection over ``maxConnections``, aborted (a TLS wrapper keeps a ``None`` protocol's open)."""
 
     def connectionMade(self) -> None:
         self.transport.abortConnection()
@@ -417,9 +406,8 @@ class _MetricsSite(Site):
         self.channels: dict[_MetricsChannel, None] = {}
 
     def buildProtocol(self, addr: Any) -> Any:
-        """At maxConnections, the oldest connection that has had no answer (a
-        slow or silent client) is closed to admit the newcomer; if every one
-        has had an answer, the newcomer is refused."""
+        """At maxConnections, the oldest connection that has had no answer (a slow or silent client) is
+        closed to admit the newcomer; if every one has had an answer, the newcomer is refused."""
         if len(self.channels) >= self.maxConnections:
             idle = next((channel for channel in self.channels if not channel.served), None)
             if idle is None:
@@ -447,10 +435,9 @@ class _MetricsSite(Site):
 def metrics_site(registry: CollectorRegistry, reactor: Optional[Any] = None, *,
                  maxConnections: int = MAX_CONNECTIONS, requestTimeout: float = REQUEST_TIMEOUT,
                  maxBodyBytes: int = MAX_BODY_BYTES) -> Site:
-    """A quiet Site serving *registry* at ``/metrics``, within bounds a client
-    cannot push it past: *maxConnections* open, a whole request within
-    *requestTimeout* seconds, no body over *maxBodyBytes* (413), no reading
-    while responses are unsent beyond the transport's buffer."""
+    """A quiet Site serving *registry* at ``/metrics``, within bounds a client cannot push it past:
+    *maxConnections* open, a whole request within *requestTimeout* seconds, no body over *maxBodyBytes*
+    (413), no reading while responses are unsent beyond the transport's buffer."""
     root = Resource()
     root.putChild(b"metrics", MetricsResource(registry))
     return _MetricsSite(root, default_reactor(reactor),

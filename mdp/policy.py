@@ -1,6 +1,5 @@
-"""Policies shared by every pattern, so none grows its own: heartbeating and
-liveness, reconnect backoff, endpoint rotation, limits, access control,
-throttled warnings, and reactor and duration helpers."""
+"""Policies shared by every pattern, so none grows its own: heartbeating and liveness, reconnect backoff,
+endpoint rotation, limits, access control, throttled warnings, and reactor and duration helpers."""
 
 from __future__ import annotations
 
@@ -15,34 +14,31 @@ from typing import Any, Callable, Optional, Sequence
 import attrs
 
 
-def _finite(value: Any) -> bool:
-    """*value* is a finite number (an int, however large, is)."""
-    return isinstance(value, int) or math.isfinite(value)
-
-
-def _at_least(minimum: float) -> object:
-    """An attrs validator: a finite number, at least *minimum*."""
-    def check(instance: object, attribute: attrs.Attribute, value: float) -> None:
-        if not (_finite(value) and value >= minimum):
-            raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
+def _number(least: float, *, above: bool = False, below: Optional[float] = None,
+            infinite: bool = False, what: str = "") -> Any:
+    """An attrs validator: a real number (not a bool) at least (*above*: above) *least* and
+    below *below*, finite unless *infinite*; *what* comes before the name in the error."""
+    def check(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        name = what + attribute.name
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not (value > least if above else value >= least) or not (below is None or value < below)):
+            raise ValueError(f"{name} must be {'above' if above else 'at least'} {least}"
+                             f"{'' if below is None else f' and below {below}'}, got {value!r}")
+        if not (infinite or isinstance(value, int) or math.isfinite(value)):
+            raise ValueError(f"{name} must be finite, got {value!r}")
 
     return check
 
 
 @attrs.frozen
 class HeartbeatPolicy:
-    """Send a heartbeat every *interval* seconds; a peer silent for
-    ``interval * liveness`` seconds is dead.  Defaults follow MDP/0.2 and the
-    Guide's Paranoid Pirate: 2.5 s × 3."""
+    """Send a heartbeat every *interval* seconds; a peer silent for ``interval * liveness`` seconds is
+    dead.  Defaults follow MDP/0.2 and the Guide's Paranoid Pirate: 2.5 s × 3."""
 
-    interval: float = 2.5
-    liveness: int = 3
+    interval: float = attrs.field(default=2.5, validator=_number(0, above=True, what="heartbeat "))
+    liveness: int = attrs.field(default=3, validator=_number(1, what="heartbeat "))
 
     def __attrs_post_init__(self) -> None:
-        if not (_finite(self.interval) and self.interval > 0):
-            raise ValueError(f"heartbeat interval must be a finite positive number, got {self.interval}")
-        if not (_finite(self.liveness) and self.liveness >= 1):
-            raise ValueError(f"heartbeat liveness must be at least 1, got {self.liveness}")
         try:
             expiry = self.interval * self.liveness
         except OverflowError:
@@ -85,8 +81,7 @@ class Liveness:
 
 
 class EndpointRotation:
-    """The endpoints of a failover list and which one is in use
-    (:meth:`advance`: round-robin)."""
+    """The endpoints of a failover list and which one is in use (:meth:`advance`: round-robin)."""
 
     __slots__ = ("endpoints", "index")
 
@@ -108,39 +103,21 @@ class EndpointRotation:
         return self.endpoints[self.index]
 
 
-def _check_backoff(instance: Any, attribute: Any, value: Any) -> None:
-    """*initial* finite and positive, *maximum* positive (``inf``: no cap),
-    *factor* finite and at least 1."""
-    factor = attribute.name == "factor"
-    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if not (number and (value >= 1 if factor else value > 0)
-            and (math.isfinite(value) or attribute.name == "maximum")):
-        raise ValueError(f"backoff {attribute.name} must be a number "
-                         f"{'of at least 1' if factor else 'above 0'}, got {value!r}")
-
-
-def _check_jitter(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
-        raise ValueError(f"backoff jitter must be a fraction from 0 up to (not including) 1, "
-                         f"got {value!r}")
-
-
 @attrs.frozen
 class Backoff:
-    """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.
-    Each delay is shortened at random (*random*, in ``[0, 1)``) by up to
-    *jitter* of itself, so peers that lost the same server come back spread
-    out; ``jitter=0`` gives the exact schedule."""
+    """Exponential backoff: *initial* seconds, times *factor* up to *maximum*.  Each delay is shortened
+    at random (*random*, in ``[0, 1)``) by up to *jitter* of itself, so peers that lost the same server
+    come back spread out; ``jitter=0`` gives the exact schedule."""
 
-    initial: float = attrs.field(default=1.0, validator=_check_backoff)
-    maximum: float = attrs.field(default=32.0, validator=_check_backoff)
-    factor: float = attrs.field(default=2.0, validator=_check_backoff)
-    jitter: float = attrs.field(default=0.0, validator=_check_jitter)
+    initial: float = attrs.field(default=1.0, validator=_number(0, above=True, what="backoff "))
+    maximum: float = attrs.field(default=32.0, validator=_number(0, above=True, infinite=True,
+                                                                 what="backoff "))
+    factor: float = attrs.field(default=2.0, validator=_number(1, what="backoff "))
+    jitter: float = attrs.field(default=0.0, validator=_number(0, below=1, what="backoff "))
     random: Callable[[], float] = attrs.field(default=_random.random, eq=False, repr=False)
 
     def delay(self, attempt: int, most: Optional[float] = None) -> float:
-        """Delay before reconnection *attempt* (0 for the first); *most*
-        caps it before the jitter."""
+        """Delay before reconnection *attempt* (0 for the first); *most* caps it before the jitter."""
         try:
             delay = min(self.initial * self.factor ** min(attempt, 64), self.maximum, MAX_SECONDS)
         except OverflowError:
@@ -192,8 +169,7 @@ def positive_seconds(name: str, value: Any) -> float:
 
 
 def whole_number(name: str, value: Any, least: int = 1, rule: str = "") -> int:
-    """*value* as a count: ``TypeError`` if no int, ``ValueError`` (naming
-    *name*, and *rule* if given) below *least*."""
+    """*value* as a count: ``TypeError`` if no int, ``ValueError`` (naming *name*, *rule*) below *least*."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} is a whole number, not {type(value).__name__}")
     if value < least:
@@ -238,23 +214,21 @@ def held_bytes(frames: Sequence[bytes]) -> int:
 
 @attrs.frozen
 class Limits:
-    """What one peer may cost a node.  *maxMessageBytes* and *maxFrames* bound
-    every message received (before it is buffered) and sent (a 413 instead).
-    The rest bind a listening side: *maxOutputBytes* unsent per peer, and on
-    streams *maxConnections*, *handshakeTimeout* (seconds to a first message)
-    and *recordTimeout* (to complete a record), and *maxConnectionsPerAddress*
-    from one IP address (0: ``maxConnections``).  Use the same message limits
-    on every node."""
+    """What one peer may cost a node.  *maxMessageBytes* and *maxFrames* bound every message received
+    (before it is buffered) and sent (a 413 instead).  The rest bind a listening side: *maxOutputBytes*
+    unsent per peer, and on streams *maxConnections*, *handshakeTimeout* (seconds to a first message) and
+    *recordTimeout* (to complete a record), and *maxConnectionsPerAddress* from one IP address (0:
+    ``maxConnections``).  Use the same message limits on every node."""
 
-    maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_at_least(64))
-    maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_at_least(8))
-    maxOutputBytes: int = attrs.field(default=64 * MiB, validator=_at_least(64))
-    maxConnections: int = attrs.field(default=10_000, validator=_at_least(1))
-    handshakeTimeout: float = attrs.field(default=10.0, validator=_at_least(0.001))
-    recordTimeout: float = attrs.field(default=30.0, validator=_at_least(0.001))
+    maxMessageBytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_number(64))
+    maxFrames: int = attrs.field(default=DEFAULT_MAX_FRAMES, validator=_number(8))
+    maxOutputBytes: int = attrs.field(default=64 * MiB, validator=_number(64))
+    maxConnections: int = attrs.field(default=10_000, validator=_number(1))
+    handshakeTimeout: float = attrs.field(default=10.0, validator=_number(0.001))
+    recordTimeout: float = attrs.field(default=30.0, validator=_number(0.001))
     #: bytes of unfinished stream records the whole process holds (``framing.BUFFERED``)
-    maxBufferedBytes: int = attrs.field(default=256 * MiB, validator=_at_least(64))
-    maxConnectionsPerAddress: int = attrs.field(default=0, validator=_at_least(0))
+    maxBufferedBytes: int = attrs.field(default=256 * MiB, validator=_number(64))
+    maxConnectionsPerAddress: int = attrs.field(default=0, validator=_number(0))
 
     def oversize(self, size: int, frames: int) -> Optional[str]:
         """Why a message of *size* bytes in *frames* frames is refused, or None."""
@@ -323,11 +297,10 @@ def _matcher(patterns: tuple[str, ...]) -> Any:
 
 
 class AccessPolicy:
-    """Who may call and serve which services (docs/security.md).  *peers* maps
-    authenticated identities (a CURVE key in Z85, a TLS subject in RFC 4514)
-    to an :class:`AccessRule`; other authenticated peers get *default*,
-    unauthenticated ones *anonymous* (both allow nothing unless given).
-    ``mmi.*`` is always answered, about the services the asker may call."""
+    """Who may call and serve which services (docs/security.md).  *peers* maps authenticated identities
+    (a CURVE key in Z85, a TLS subject in RFC 4514) to an :class:`AccessRule`; other authenticated peers
+    get *default*, unauthenticated ones *anonymous* (both allow nothing unless given).  ``mmi.*`` is
+    always answered, about the services the asker may call."""
 
     def __init__(self, peers: Optional[dict[str, AccessRule]] = None, *,
                  default: AccessRule = AccessRule(), anonymous: AccessRule = AccessRule()) -> None:
@@ -345,10 +318,9 @@ class AccessPolicy:
 
     @classmethod
     def load(cls, path: str) -> AccessPolicy:
-        """Read a policy file (TOML: ``[[peer]]`` tables with an ``identity``,
-        ``[default]``, ``[anonymous]``, each with ``call`` and ``serve`` lists;
-        docs/security.md).  Raises ``ValueError`` naming the file and the
-        mistake; ``OSError`` if it cannot be read."""
+        """Read a policy file (TOML: ``[[peer]]`` tables with an ``identity``, ``[default]``,
+        ``[anonymous]``, each with ``call`` and ``serve`` lists; docs/security.md).  Raises
+        ``ValueError`` naming the file and the mistake; ``OSError`` if it cannot be read."""
         import tomllib
 
         with open(path, "rb") as f:

@@ -63,18 +63,19 @@ def call_many(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> l
 _local = threading.local()
 
 
-def _new_client(kind: Any, call: ServiceCall) -> Any:
-    return kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
-                maxConnections=call.window, dialect=call.dialect)
+def _client(clients: dict[ServiceCall, Any], kind: Any, call: ServiceCall) -> Any:
+    """The client of *clients* for *call*; a new one (a *kind*) if it has none or a forked one."""
+    client = clients.get(call)
+    if client is None or getattr(client, "forked", False):
+        client = clients[call] = kind(list(call.brokers), timeout=call.timeout, retries=call.retries,
+                                      maxConnections=call.window, dialect=call.dialect)
+    return client
 
 
 def _call_many_blocking(call: ServiceCall, requests: Sequence[Optional[list[bytes]]]) -> list[Any]:
     from mdp.blocking import Client
 
-    clients = _local.__dict__.setdefault("clients", {})
-    client = clients.get(call)
-    if client is None or client.forked:
-        client = clients[call] = _new_client(Client, call)
+    client = _client(_local.__dict__.setdefault("clients", {}), Client, call)
     replies = client.map(call.service, (r for r in requests if r is not None), window=call.window,
                          returnExceptions=True)
     results: list[Any] = []
@@ -97,9 +98,7 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
 
     from mdp.majordomo.client import Client
 
-    client = _clients.get(call)
-    if client is None:
-        client = _clients[call] = _new_client(Client, call)
+    client = _client(_clients, Client, call)
     results: list[Any] = [None] * len(requests)
     rows = iter(enumerate(requests))
     inFlight: set[defer.Deferred] = set()
@@ -143,38 +142,23 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
-def _failure(result: Any) -> Optional[str]:
-    """What went wrong, if *result* is an exception."""
-    return f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
+def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]]) -> list[tuple[Any, Optional[str]]]:
+    """Each row sent: its reply's frames and None, or None and what went wrong."""
+    requests = [_request(row) for row in rows]
+    return [(None, f"{type(r).__name__}: {r}") if isinstance(r, BaseException) else (r, None)
+            for r in (call_many(call, requests) if requests else [])]
 
 
 def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str) -> tuple[Any, Any]:
     """One batch's request *columns* (Arrow arrays) sent: its reply and error arrays."""
     import pyarrow as pa
 
-    requests = [_request(row) for row in zip(*(c.to_pylist() for c in columns))]
-    results = call_many(call, requests) if requests else []
+    results = _replies(call, zip(*(c.to_pylist() for c in columns)))
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
     reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
              "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
-    return (pa.array([None if _failure(r) else reply(r) for r in results], type=kind),
-            pa.array([_failure(r) for r in results], type=pa.string()))
-
-
-def _arrow_mapper(call: ServiceCall, inputs: list[str], outputCol: str, outputType: str,
-                  errorCol: Optional[str]) -> Any:
-    def mapper(batches: Iterable[Any]) -> Iterator[Any]:
-        import pyarrow as pa
-
-        for batch in batches:
-            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
-            arrays, names = [*batch.columns, replies], [*batch.schema.names, outputCol]
-            if errorCol is not None:
-                arrays.append(errors)
-                names.append(errorCol)
-            yield pa.RecordBatch.from_arrays(arrays, names=names)
-
-    return mapper
+    return (pa.array([None if failure else reply(r) for r, failure in results], type=kind),
+            pa.array([failure for _, failure in results], type=pa.string()))
 
 
 # --- driver side -----------------------------------------------------------------
@@ -187,10 +171,9 @@ def _service_call(service: Union[str, bytes], broker: Union[str, Sequence[str]],
     from mdp import transport
     from mdp.majordomo import codec
 
-    if onError not in ON_ERROR:
-        raise ValueError(f"onError must be one of {ON_ERROR}, not {onError!r}")
-    if outputType not in OUTPUT_TYPES:
-        raise ValueError(f"outputType must be one of {OUTPUT_TYPES}, not {outputType!r}")
+    for option, value, choices in (("onError", onError, ON_ERROR), ("outputType", outputType, OUTPUT_TYPES)):
+        if value not in choices:
+            raise ValueError(f"{option} must be one of {choices}, not {value!r}")
     positive_seconds("timeout", timeout)  # finite, within MAX_SECONDS
     whole_number("retries", retries, rule="counts attempts and must be")
     whole_number("window", window)
@@ -211,8 +194,15 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
     schema = _output_schema(df, inputs, added, outputType)
-    mapper = _arrow_mapper(call, inputs, outputCol, outputType,
-                           errorCol if onError == "column" else None)
+
+    def mapper(batches: Iterable[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for batch in batches:
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
+            arrays = [*batch.columns, *[replies, errors][:len(added)]]  # the error column if added
+            yield pa.RecordBatch.from_arrays(arrays, names=[*batch.schema.names, *added])
+
     return df.mapInArrow(mapper, schema)
 
 
@@ -297,11 +287,8 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
     def partition(elements: Iterable[Any]) -> Iterator[Any]:
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
-            requests = [_request([e] if isinstance(e, (str, bytes, bytearray)) or e is None
-                                 else list(e)) for e in chunk]
-            for result in call_many(call, requests):
-                failure = _failure(result)
-                reply = None if failure else result
+            rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
+            for reply, failure in _replies(call, rows):
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)

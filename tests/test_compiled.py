@@ -41,7 +41,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def find(package: Path) -> object:
-    _compiled._records.pop(os.path.normpath(str(package)), None)  # read the record afresh
+    _compiled._record_of.cache_clear()  # read the record afresh
     return _compiled.SourceFirst.find_spec(NAME, [str(package / "majordomo")])
 
 
@@ -142,8 +142,7 @@ def test_a_module_is_stale_when_a_declarations_file_it_cimports_changed(tree: Pa
 def test_cimports_says_what_the_declarations_cimport() -> None:
     """``CIMPORTS`` is what each ``.pxd`` of the package cimports from it."""
     for name in _compiled.MODULES:
-        directory, leaf = _compiled._paths(str(ROOT / "mdp"), name)
-        path = Path(directory, leaf + ".pxd")
+        path = Path(_compiled._base(str(ROOT / "mdp"), name) + ".pxd")
         said = set()
         if path.exists():
             for line in path.read_text().splitlines():
@@ -159,8 +158,7 @@ def test_every_cimport_is_a_listed_module_with_its_declarations() -> None:
     for name, others in _compiled.CIMPORTS.items():
         assert name in _compiled.MODULES
         for other in (name, *others):
-            directory, leaf = _compiled._paths(str(ROOT / "mdp"), other)
-            assert os.path.isfile(os.path.join(directory, leaf + ".pxd")), other
+            assert os.path.isfile(_compiled._base(str(ROOT / "mdp"), other) + ".pxd"), other
 
 
 def test_a_second_build_reuses_only_what_an_earlier_build_made_of_todays_sources(tree: Path) -> None:
@@ -240,7 +238,7 @@ def test_an_accelerator_is_recorded_from_its_cython_source(tree: Path) -> None:
     ``.pyx`` is as it was built, stale after, and removed by a pure install;
     the import hook leaves it alone (it has no Python source to run)."""
     name = _compiled.ACCELERATORS[0]
-    directory, leaf = _compiled._paths(str(tree), name)
+    directory, leaf = os.path.split(_compiled._base(str(tree), name))
     os.makedirs(directory, exist_ok=True)
     source = Path(directory, leaf + ".pyx")
     source.write_text("# cython\n")
