@@ -387,10 +387,7 @@ class AgentClient(_FreelanceClient):
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
     servers = machine_view("servers", "What the agent knows of each server (a KnownServer), by endpoint.")
-
-    def live(self) -> list[str]:
-        """The endpoints of the ALIVE servers, in the order they were added."""
-        return self.machine.live()
+    live = machine_view("live", "``live()``: the endpoints of the ALIVE servers, in the order added.")
 
     def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))
