@@ -547,7 +547,10 @@ class Dispatcher:
             Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
             CheckService: lambda action: defer.ensureDeferred(self._check(action.service)),
             ListServices: lambda action: defer.ensureDeferred(self._list()),
-            Purge: self._purge, Parked: self._logParked, WakeAt: self._wakeAt}
+            Purge: self._purge, WakeAt: self._wakeAt,
+            Parked: lambda a: log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
+                                       service=a.service.decode("ascii", "replace"), delay=a.delay,
+                                       reason=a.reason)}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
         #: bumped by stop: results of what an earlier run asked are ignored
@@ -609,11 +612,6 @@ class Dispatcher:
         feed = self._then()
         return lambda failure: (report_failure(log, failure, format, **fields),
                                 feed(handler, *args, failure.getErrorMessage()))
-
-    def _logParked(self, action: Parked) -> None:
-        log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
-                 service=action.service.decode("ascii", "replace"), delay=action.delay,
-                 reason=action.reason)
 
     def _wakeAt(self, action: WakeAt) -> None:
         self._timer = call_at(self._timer, self.reactor, action.when,
