@@ -121,17 +121,13 @@ class BinaryStarMachine(Machine):
         channel = self.channel if channel is None else channel  # before a stall it may reveal
         self._wake(now)
         event = self._peerEvent(peerState, channel, peerInstance, peerHeartbeat)
-        if event is None:
-            return self._drain()
-        self.peerExpiry = now + self.failoverTimeout
-        if peerRole is self.role:
-            self._sameRole(peerUptime, peerInstance)
-            return self._drain()
-        self.conflictSince = None
-        if self.resuming:
-            self._resumeOnPeer(event)
-        else:
-            self._apply(event)
+        if event is not None:
+            self.peerExpiry = now + self.failoverTimeout
+            if peerRole is self.role:
+                self._sameRole(peerUptime, peerInstance)
+            else:
+                self.conflictSince = None
+                (self._resumeOnPeer if self.resuming else self._apply)(event)
         return self._drain()
 
     def _peerEvent(self, peerState: int, channel: int, peerInstance: str,
@@ -420,12 +416,8 @@ class BinaryStar:
             self._connectSubscriber()
             self._ticker.start(self.machine.heartbeat, now=True)
 
-        def failed(failure: Any) -> Any:
-            self.stop()
-            return failure
-
-        return transport.listen(self.local, self, self.reactor,
-                                limits=self.limits).addCallback(bound).addErrback(failed)
+        return transport.listen(self.local, self, self.reactor, limits=self.limits).addCallback(
+            bound).addErrback(lambda failure: (self.stop(), failure)[1])
 
     def stop(self) -> defer.Deferred[None]:
         """Stop publishing and close both endpoints."""

@@ -231,11 +231,16 @@ def test_stop_forgets_what_is_held_and_sends_nothing_more() -> None:
     assert machine.handleLoaded([req(3)], 1, 2.0) == []
 
 
-@pytest.mark.parametrize("options", [dict(concurrency=0), dict(concurrency=True),
-                                     dict(keep=0), dict(purgeEvery=-1), dict(recheck=0)])
+@pytest.mark.parametrize("options", [dict(concurrency=0), dict(keep=0), dict(purgeEvery=-1),
+                                     dict(recheck=0)])
 def test_bad_settings_are_refused_at_once(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         DispatchMachine(**options)
+
+
+def test_a_count_that_is_no_whole_number_is_refused_at_once() -> None:
+    with pytest.raises(TypeError, match="concurrency is a whole number"):
+        DispatchMachine(concurrency=True)
 
 
 def test_a_service_has_as_many_requests_out_as_workers_and_twice_that_held() -> None:

@@ -235,7 +235,8 @@ class _FreelanceClient:
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
         #: a closing pipe's performer returns the Deferred of its close
         self._performers: dict[type, Callable[[Any], Optional[defer.Deferred[None]]]] = {
-            machines.Later: self._arm, machines.Cancel: self._disarm, machines.SendPipe: self._sendPipe,
+            machines.Later: self._arm, machines.SendPipe: self._sendPipe,
+            machines.Cancel: lambda a: cancel_call(self._timers.pop((a.call.sequence, a.kind), None)),
             machines.SendPeer: lambda a: self.router.sendMessage(a.endpoint, a.frames),
             machines.Resolve: self._answer, machines.Reject: self._answer,
             machines.ClosePipe: self._closePipe,
@@ -246,7 +247,7 @@ class _FreelanceClient:
         if listed:  # as a whole: one zmq: server among them uses the keys
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
-            self._add(endpoint)
+            self._perform(machine.handleConnect(endpoint, self.reactor.seconds()))
 
     def _connectRouter(self) -> Any:
         return None  # model 3's connecting router
@@ -262,9 +263,6 @@ class _FreelanceClient:
             raise ClientClosed("client is closed")
         transport.check(endpoint, transport.CONNECT)
         transport.check_curve_client([*self.added, endpoint], self.curve)
-        self._add(endpoint)
-
-    def _add(self, endpoint: str) -> None:
         self._perform(self.machine.handleConnect(endpoint, self.reactor.seconds()))
 
     def request(self, *frames: Union[bytes, str], timeout: Optional[float] = None,
@@ -320,9 +318,6 @@ class _FreelanceClient:
         key = (action.call.sequence, action.kind)
         cancel_call(self._timers.get(key))
         self._timers[key] = self.reactor.callLater(action.delay, self._fire, action.call, action.kind)
-
-    def _disarm(self, action: machines.Cancel) -> None:
-        cancel_call(self._timers.pop((action.call.sequence, action.kind), None))
 
     def _sendPipe(self, action: machines.SendPipe) -> None:
         pipe = self.pipes.get(action.key)
@@ -387,10 +382,7 @@ class AgentClient(_FreelanceClient):
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
     servers = machine_view("servers", "What the agent knows of each server (a KnownServer), by endpoint.")
-
-    def live(self) -> list[str]:
-        """The endpoints of the ALIVE servers, in the order they were added."""
-        return self.machine.live()
+    live = machine_view("live", "``live()``: the endpoints of the ALIVE servers, in the order added.")
 
     def messageReceived(self, endpoint: str, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(endpoint, frames, self.reactor.seconds()))

@@ -92,7 +92,8 @@ Action = Any  # Later | Cancel | OpenPipe | ClosePipe | SendPipe | ConnectPeer |
 
 class FreelanceMachine(Machine):
     """What the three models decide alike (sequence numbers, pending requests, the deadline,
-    replies, close); each model's subclass adds its rules: ``_start``, ``_attemptOver``, ..."""
+    replies, close); each model's subclass adds its rules: ``_start``, ``_attemptOver``,
+    ``_overloaded`` (a 429), ..."""
 
     def __init__(self, timeout: float, deadline: Optional[float], now: float = 0.0) -> None:
         super().__init__(now)
@@ -191,10 +192,6 @@ class FreelanceMachine(Machine):
         if self._finish(call):
             self._outbox.append(Resolve(call, body) if error is None else Reject(call, error))
         return False
-
-    def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
-        """A 429 for *call*: models with another server try it; here it is the answer."""
-        self._fail(call, error)
 
 
 class SequentialMachine(FreelanceMachine):

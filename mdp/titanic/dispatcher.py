@@ -22,9 +22,8 @@ from mdp.machine import Machine, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
-from mdp.policy import Backoff, Limits, LogThrottle, call_at, default_reactor, positive_seconds
+from mdp.policy import Backoff, Limits, LogThrottle, call_at, default_reactor, positive_seconds, whole_number
 from mdp.titanic.client import TRANSIENT
-from mdp.titanic.protocol import whole_number
 from mdp.titanic.store import ITitanicStore, StoredRequest, report_failure
 
 log = Logger()
@@ -548,7 +547,10 @@ class Dispatcher:
             Dispatch: self._dispatch, StoreReply: self._storeReply, LoadPending: self._load,
             CheckService: lambda action: defer.ensureDeferred(self._check(action.service)),
             ListServices: lambda action: defer.ensureDeferred(self._list()),
-            Purge: self._purge, Parked: self._logParked, WakeAt: self._wakeAt}
+            Purge: self._purge, WakeAt: self._wakeAt,
+            Parked: lambda a: log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
+                                       service=a.service.decode("ascii", "replace"), delay=a.delay,
+                                       reason=a.reason)}
         self._events: list[tuple[Any, tuple[Any, ...]]] = []
         self._busy = False
         #: bumped by stop: results of what an earlier run asked are ignored
@@ -610,11 +612,6 @@ class Dispatcher:
         feed = self._then()
         return lambda failure: (report_failure(log, failure, format, **fields),
                                 feed(handler, *args, failure.getErrorMessage()))
-
-    def _logParked(self, action: Parked) -> None:
-        log.info("Titanic: service {service} parked for {delay:.1f} s: {reason}",
-                 service=action.service.decode("ascii", "replace"), delay=action.delay,
-                 reason=action.reason)
 
     def _wakeAt(self, action: WakeAt) -> None:
         self._timer = call_at(self._timer, self.reactor, action.when,
@@ -686,33 +683,28 @@ class Dispatcher:
         def replied(body: list[bytes]) -> None:
             feed(self.machine.handleReply, request.id, body)
 
-        def fits(body: list[bytes]) -> bool:
+        def take(body: list[bytes], final: bool = False) -> None:
             nonlocal held, over
-            size = held + sum(map(len, body))
-            if size <= mostBytes and len(parts) + len(body) <= mostFrames:
-                held = size
-                return True
-            over = True
-            parts.clear()
-            replied(error_body(STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more "
-                               f"than {mostBytes} bytes or {mostFrames} frames in all, the most "
-                               "a titanic.reply can carry"))
-            if calls:
-                self.reactor.callLater(0, calls[0].cancel)
-            return False
-
-        def partial(body: list[bytes]) -> None:
-            if not over and fits(body):
-                parts.extend(body)
+            if over:
+                return
+            if final and not parts:  # not streamed: within the client's limits
+                return replied(body)
+            held += sum(map(len, body))
+            parts.extend(body)
+            if held > mostBytes or len(parts) > mostFrames:
+                over = True
+                replied(error_body(STATUS_TOO_LARGE, f"the streamed reply is too large to keep: more "
+                                   f"than {mostBytes} bytes or {mostFrames} frames in all, the most "
+                                   "a titanic.reply can carry"))
+                if calls:
+                    self.reactor.callLater(0, calls[0].cancel)
+            elif final:
+                replied(parts)
 
         def restart() -> None:
             nonlocal held
             parts.clear()
             held = 0
-
-        def final(body: list[bytes]) -> None:
-            if not over and (not parts or fits(body)):
-                replied(parts + body)
 
         def failed(failure: Failure) -> None:
             if over:
@@ -724,12 +716,12 @@ class Dispatcher:
                 replied(body)
 
         try:
-            d = self.client.request(request.service, *request.frames, onPartial=partial, onRestart=restart)
+            d = self.client.request(request.service, *request.frames, onPartial=take, onRestart=restart)
         except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
             return replied(final_error_body(e) or error_body(
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))
         calls.append(d)
-        d.addCallbacks(final, failed)
+        d.addCallbacks(take, failed, callbackArgs=(True,))
 
     def _storeReply(self, action: StoreReply) -> None:
         feed = self._then()

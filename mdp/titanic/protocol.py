@@ -54,12 +54,6 @@ class TitanicStoreFull(TitanicRefused):
 REFUSALS = {cls.code: cls for cls in (TitanicRequestTooLarge, TitanicStoreFull)}
 
 
-def whole_number(name: str, value: object) -> None:
-    """ValueError (naming *name*) unless *value* is a whole number of at least 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
-
-
 def refused(error: TitanicRefused) -> list[bytes]:
     """The reply refusing a request for *error*."""
     return [error.status, str(error).encode("utf-8", "replace"), error.code]

@@ -36,7 +36,7 @@ class TitanicServer:
                  maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         for name, value in (("workers", workers), ("maxRequestBytes", maxRequestBytes)):
-            protocol.whole_number(name, value)
+            policy.whole_number(name, value)
         #: at most the store's own limit: a larger request would be refused for ever
         self.maxRequestBytes = min(maxRequestBytes, getattr(store, "maxBytes", maxRequestBytes))
         self.reactor = default_reactor(reactor)

@@ -26,9 +26,9 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import Interface, implementer, implementer_only
 
 from mdp.errors import ProtocolError, StoreError
-from mdp.policy import Limits, default_reactor
+from mdp.policy import Limits, default_reactor, whole_number
 from mdp.titanic import integrity
-from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request, whole_number
+from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request
 from mdp.transport.framing import decode_record, encode_record
 
 #: Bytes a store may hold (its pages in use) before new requests are refused.
