@@ -25,7 +25,6 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.messages import envelope, is_relayed, relayed_peer, routing_id
-from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
 from mdp.transport.dealercore import DealerCore
@@ -369,41 +368,6 @@ class ZmqRouter(_RoutedSocket):
         return closed
 
 
-class InFlight:
-    """The bytes a DEALER handed libzmq that it may still hold: every quarter
-    *bound*, one message goes tracked; once let go of, so are those before it."""
-
-    __slots__ = ("bound", "sent", "released", "marked", "marks")
-
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
-        self.sent = self.released = self.marked = 0
-        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it)
-
-    def held(self) -> int:
-        marks = self.marks
-        while marks and marks[0][0].done:
-            self.released = marks.popleft()[1]
-        return self.sent - self.released
-
-    def track(self, frames: list[Any]) -> tuple[list[Any], int, Any]:
-        """*frames* to send (the last tracked if due), their size, and the tracker."""
-        size = _OVERHEAD * len(frames)
-        for frame in frames:
-            size += len(frame)
-        if self.sent + size - self.marked < self.bound >> 2:
-            return frames, size, None
-        last = frames[-1]
-        last = zmq.Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
-        return [*frames[:-1], last], size, last.tracker
-
-    def went(self, size: int, tracker: Any) -> None:
-        self.sent += size
-        if tracker is not None:
-            self.marked = self.sent
-            self.marks.append((tracker, self.sent))
-
-
 @implementer(IDealerTransport)
 class ZmqDealer:
     """A connecting DEALER: not ``writable`` while refused messages wait or libzmq holds too much."""
@@ -434,7 +398,8 @@ class ZmqDealer:
 
     @property
     def writable(self) -> bool:
-        return not self.core.backlog and self.inFlight.held() <= self.inFlight.bound
+        core = self.core
+        return not core.backlog and core.held() <= self.limits.maxOutputBytes
 
     @property
     def backlogged(self) -> bool:
@@ -453,7 +418,7 @@ class ZmqDealer:
         if self.connection is None:
             self._waiters.fire()
             return
-        core, inFlight = self.core, self.inFlight
+        core = self.core
         progressed = False
         while core.backlog:
             if not self._trySend(core.backlog[0]):
@@ -461,19 +426,19 @@ class ZmqDealer:
             core.sent()
             progressed = True
         else:
-            released = inFlight.released
-            if inFlight.held() <= inFlight.bound // 2:
+            released = core.released
+            if core.held() <= self.limits.maxOutputBytes // 2:
                 self._waiters.fire()
                 return
-            progressed = inFlight.released != released
+            progressed = core.released != released
         self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue."""
-        frames, size, tracker = self.inFlight.track(frames)
+        frames, size, tracker = self.core.track(frames)
         try:
             self.connection.send(frames)
-            self.inFlight.went(size, tracker)
+            self.core.went(size, tracker)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -490,8 +455,7 @@ class ZmqDealer:
             connection.shutdown()
             raise
         self.connection = connection
-        self.core.opened()
-        self.inFlight = InFlight(self.limits.maxOutputBytes)
+        self.core.clear()
         self.reactor.callLater(0, self._made, connection)
 
     def _made(self, connection: Any) -> None:
