@@ -137,10 +137,6 @@ class _RoutedSocket:
         if not self.connects:
             self.reactor.callLater(0, self._reportCut, connection)
 
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.backlogs)
-
     def _flush(self) -> None:
         """Send what waits (on the timer, and when libzmq signals)."""
         self._flushCall = cancel_call(self._flushCall)
@@ -384,6 +380,7 @@ class ZmqDealer:
         self.reactor = reactor
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
+        self.backlogs = self.core.backlog  # (what the connection's read looks at, as a ROUTER's)
         self.curve = curve
         self.endpoint = endpoint
         # under CURVE, unguessable (see ZmqRouter.identified)
@@ -400,10 +397,6 @@ class ZmqDealer:
     def writable(self) -> bool:
         core = self.core
         return not core.backlog and core.held() <= self.limits.maxOutputBytes
-
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.core.backlog)
 
     def drained(self) -> defer.Deferred[None]:
         if self.writable:

@@ -181,7 +181,7 @@ def _connection_classes() -> tuple[type, type]:
                 if socket is None:
                     return
                 owner = self.owner
-                if owner is not None and owner.backlogged:  # (a drained pipe signals too)
+                if owner is not None and owner.backlogs:  # (a drained pipe signals too)
                     owner._flush()
                     if self.socket is None:
                         return
