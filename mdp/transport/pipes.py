@@ -22,7 +22,7 @@ from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, 
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls, socket_handle
+from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -99,7 +99,7 @@ class _ZmqPipe:
                 sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
             sock.connect(self.address)
             fd = sock.get(zmq.FD)
-            handle = socket_handle(sock, _native)
+            handle = sock.underlying if _native else sock
             self.loop.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
@@ -268,13 +268,11 @@ class _StreamPipe:
         self.family = family
         self.address = address
         self.socket: Optional[socket.socket] = None
-        self.key: Any = None
         self.out = bytearray()
         self.failures = 0
         self.retryAt: Optional[float] = 0.0  # (the first attempt: at the loop's next turn)
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
-        self.candidates: list[tuple[int, Any]] = []
         self._closeSocket()
         loop.timed.add(self)
 

@@ -43,10 +43,8 @@ class ZmqChannel:
         self.held: list[list[bytes]] = []
 
     @property
-    def connected(self) -> bool:
-        if self.alone is not None:
-            return bool(self.alone.connected)
-        return self.hop is not None and self.link.up and not self.closed
+    def connected(self) -> bool:  # (a DEALER of its own is, from the start)
+        return self.alone is not None or self.hop is not None and self.link.up and not self.closed
 
     @property
     def writable(self) -> bool:
