@@ -96,7 +96,7 @@ class _RoutedSocket:
         self._pacer = FlushPacer()
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
-    def _send(self, peer: bytes, frames: list[bytes]) -> None:
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         if self.connection.socket is None:
             return
         message = envelope(peer, frames)
@@ -313,8 +313,6 @@ class ZmqRouter(_RoutedSocket):
                         self.receiver.peerDisconnected(known.popitem(last=False)[0])
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
-
-    sendMessage = _RoutedSocket._send
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
@@ -538,5 +536,5 @@ class ZmqPeerRouter(_RoutedSocket):
         self.endpoints.add(endpoint)
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
-        self._send(endpoint.encode(), frames)
+        _RoutedSocket.sendMessage(self, endpoint.encode(), frames)
 
