@@ -452,8 +452,7 @@ class ZmqDealer:
     def _made(self, connection: Any) -> None:
         if connection is self.connection:
             self.receiver.connectionMade()
-            if connection.socket is not None:
-                connection.attached()
+            connection.attached()  # (unless a callback closed it)
 
     def discardReceived(self) -> int:
         return 0 if self.connection is None else self.connection.discardQueued()
@@ -471,7 +470,7 @@ class ZmqDealer:
         self.reactor.callLater(0, self._replace, self.connection, size, count)
 
     def _replace(self, connection: Any, size: int, count: int) -> None:
-        if connection is not self.connection or connection is None:
+        if connection is not self.connection:  # (closed or replaced meanwhile)
             return
         why = self.core.oversized(size, count)
         self.close()
