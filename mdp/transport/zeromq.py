@@ -305,12 +305,10 @@ class ZmqRouter(_RoutedSocket):
                     known = self.relayedOf[connection] = OrderedDict()
                     if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (ZeroMQ never says they went)
                         del self.relayedOf[next(iter(self.relayedOf))]
-                if peer in known:
-                    known.move_to_end(peer)
-                else:
-                    known[peer] = None
-                    if len(known) > MAX_RELAYED:
-                        self.receiver.peerDisconnected(known.popitem(last=False)[0])
+                known[peer] = None
+                known.move_to_end(peer)
+                if len(known) > MAX_RELAYED:
+                    self.receiver.peerDisconnected(known.popitem(last=False)[0])
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
 
