@@ -15,8 +15,8 @@ import pytest_twisted
 from twisted.internet import task
 
 from mdp.policy import Limits
-from mdp.transport.framing import RecordDecoder, encode_record
 from mdp.transport.dealercore import DealerCore
+from mdp.transport.framing import RecordDecoder, encode_record
 from tests.procs import Cluster, Process, reactor, twist_worker, wait_until
 from tests.test_hostile_processes import NonReader, mdp_request, rss
 
