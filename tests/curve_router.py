@@ -34,7 +34,7 @@ async def curve_router(tmp_path: Path, recorder: Recorder, reactor: Any
     """``(router, dealer)``: the router reports to *recorder*; ``dealer(name,
     routingId)`` connects a raw DEALER with *name*'s key.  All closed on exit."""
     from mdp import transport
-    from mdp.transport.curve import CurveClient, CurveServer
+    from mdp.transport.curve import curve_client, curve_server
 
     for name in ("server", "alice", "mallory"):
         keygen(name, str(tmp_path))
@@ -44,7 +44,7 @@ async def curve_router(tmp_path: Path, recorder: Recorder, reactor: Any
         (allowed / f"{name}.key").write_text((tmp_path / f"{name}.key").read_text())
     router = await transport.listen(
         "zmq:tcp://127.0.0.1:*", recorder, reactor,
-        security=CurveServer.fromFiles(str(tmp_path / "server.key_secret"), str(allowed)))
+        security=curve_server(str(tmp_path / "server.key_secret"), str(allowed)))
     recorder.transport = router
     context = zmq.Context()
     sockets: list[Any] = []
@@ -52,8 +52,8 @@ async def curve_router(tmp_path: Path, recorder: Recorder, reactor: Any
     def dealer(name: str, routingId: bytes) -> Any:
         sock = context.socket(zmq.DEALER)
         sock.linger = 0
-        CurveClient.fromFiles(str(tmp_path / "server.key"),
-                              str(tmp_path / f"{name}.key_secret")).apply(sock)
+        curve_client(str(tmp_path / "server.key"),
+                     str(tmp_path / f"{name}.key_secret")).apply(sock)
         sock.routing_id = routingId
         sock.connect(router.endpoint[len("zmq:"):])
         sockets.append(sock)

@@ -1,6 +1,6 @@
 """The blocking worker's streaming handler is paused while what it sends is
 not taken, over ZeroMQ as over streams: its ZeroMQ pipe counts the bytes
-libzmq still holds (:class:`~mdp.transport.zeromq.InFlight`) and the worker
+libzmq still holds (:class:`~mdp.transport.dealercore.DealerCore`) and the worker
 waits, serving heartbeats, past ``limits.maxOutputBytes`` (it used to let
 libzmq queue 1,000 messages whatever their size)."""
 
@@ -68,13 +68,13 @@ def test_zmq_pipe_backlogged_past_the_bound_until_half_has_drained() -> None:
             pipe.send([b"x" * PART])
             sent += 1
         assert sent * PART <= MiB + SLACK and not pipe.backlog, sent
-        assert pipe.draining and pipe.inFlight.held() > MiB
+        assert pipe.draining and pipe.core.held() > MiB
         deadline = time.monotonic() + 10
         while pipe.draining:
-            assert time.monotonic() < deadline, pipe.inFlight.held()
+            assert time.monotonic() < deadline, pipe.core.held()
             while router.poll(10):
                 router.recv_multipart()
-        assert pipe.inFlight.held() <= MiB // 2 and not pipe.backlogged
+        assert pipe.core.held() <= MiB // 2 and not pipe.backlogged
     finally:
         loop.shutdown()
         router.close(0)

@@ -39,5 +39,5 @@ def test_a_message_over_the_limits_drops_the_backlog_and_says_why() -> None:
 def test_a_socket_not_had_is_tried_again_on_the_schedule_until_one_is() -> None:
     core = DealerCore(Limits(), lambda failures: 2.0 ** failures)
     assert [core.openFailed() for _ in range(3)] == [1.0, 2.0, 4.0]
-    core.opened()
+    core.clear()  # a socket was had
     assert core.openFailed() == 1.0

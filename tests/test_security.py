@@ -393,11 +393,11 @@ async def task_poll(predicate: Any, seconds: float = 10) -> bool:
 
 
 def test_curve_peers_pick_peer_ids_no_one_can_guess(tmp_path: Path) -> None:
-    from mdp.transport.curve import CurveClient
+    from mdp.transport.curve import curve_client
     from mdp.transport.zeromq import ZmqDealer
 
     keygen("server", str(tmp_path))
-    curve = CurveClient.fromFiles(str(tmp_path / "server.key"))
+    curve = curve_client(str(tmp_path / "server.key"))
 
     class Nobody:
         def connectionMade(self) -> None: ...

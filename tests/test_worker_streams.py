@@ -1,6 +1,6 @@
 """A streaming handler is paused while what it sends is not taken, over
 ZeroMQ as over streams: the worker's DEALER counts the bytes libzmq still
-holds (:class:`~mdp.transport.zeromq.InFlight`) and is not writable past
+holds (:class:`~mdp.transport.dealercore.DealerCore`) and is not writable past
 ``limits.maxOutputBytes`` (it used to queue up to 100,000 messages in libzmq:
 3+ GB for 64 KiB parts)."""
 
@@ -15,8 +15,8 @@ import pytest_twisted
 from twisted.internet import task
 
 from mdp.policy import Limits
+from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RecordDecoder, encode_record
-from mdp.transport.zeromq import InFlight
 from tests.procs import Cluster, Process, reactor, twist_worker, wait_until
 from tests.test_hostile_processes import NonReader, mdp_request, rss
 
@@ -39,10 +39,10 @@ class _Tracker:
 
 
 def test_in_flight_counts_bytes_up_to_the_oldest_tracker_not_done() -> None:
-    window = InFlight(1000)
+    window = DealerCore(Limits(maxOutputBytes=1000), lambda failures: 1.0)
     first, second = _Tracker(), _Tracker()
     window.marks.extend([(first, 300), (second, 600)])
-    window.sent = 700  # untracked tail
+    window.handed = 700  # untracked tail
     assert window.held() == 700
     first.done = True
     assert window.held() == 400

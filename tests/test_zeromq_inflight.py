@@ -1,5 +1,5 @@
 """A ZeroMQ DEALER bounds in bytes what it has handed libzmq and libzmq has
-not sent (:class:`~mdp.transport.zeromq.InFlight`): past
+not sent (:class:`~mdp.transport.dealercore.DealerCore`): past
 ``limits.maxOutputBytes`` it is not writable, and ``drained()`` fires once
 half of that is on the wire.  Real sockets; the polls run on a Clock."""
 
@@ -58,8 +58,8 @@ def test_not_writable_past_the_bound_until_half_of_it_drains(
         sent += 1
         assert sent * len(PART[0]) < 8 * BOUND, "never paused"
     # libzmq let go of some at once: what it may still hold passed the bound
-    assert dealer.inFlight.held() > BOUND
-    assert not dealer.backlogged  # paused before libzmq refused anything
+    assert dealer.core.held() > BOUND
+    assert not dealer.core.backlog  # paused before libzmq refused anything
     drained = dealer.drained()
     clock.advance(0.05)
     assert not drained.called
@@ -73,7 +73,7 @@ def test_not_writable_past_the_bound_until_half_of_it_drains(
         return drained.called
 
     _wait(read, clock)
-    assert dealer.inFlight.held() <= BOUND // 2 and dealer.writable
+    assert dealer.core.held() <= BOUND // 2 and dealer.writable
     _wait(lambda: read() and taken == sent, clock)
 
 
@@ -109,4 +109,4 @@ def test_messages_ending_in_any_buffer_are_let_go_of(
         return drained.called
 
     _wait(lambda: read() and taken == sent, clock)
-    assert dealer.writable and dealer.inFlight.held() <= BOUND // 2
+    assert dealer.writable and dealer.core.held() <= BOUND // 2

@@ -46,23 +46,6 @@ class CurveServer:
     secretKey: bytes = attrs.field(repr=False)
     allow: Optional[frozenset[bytes]]
 
-    @classmethod
-    def fromFiles(cls, secretFile: str, allowDir: Optional[str] = None) -> CurveServer:
-        """Read *secretFile* (``NAME.key_secret``) and the ``*.key`` files in *allowDir*."""
-        public, secret = _load(secretFile, secret=True)
-        allow = None
-        if allowDir is not None:
-            if not os.path.isdir(allowDir):
-                raise TransportError(f"CURVE allow-list {allowDir!r} is not a directory of "
-                                     f"public-key certificates ({PUBLIC_SUFFIX} files)")
-            import zmq.auth
-
-            allow = frozenset(zmq.auth.load_certificates(allowDir))
-            if not allow:
-                log.warn("the CURVE allow-list {dir} holds no certificate: no peer will get "
-                         "through", dir=allowDir)
-        return cls(public, secret, allow)  # type: ignore[arg-type]
-
     def apply(self, socket: Any, domain: str) -> None:
         """Make *socket* (before it binds) a CURVE server checked by ZAP under *domain*."""
         import zmq
@@ -82,14 +65,6 @@ class CurveClient:
     publicKey: bytes
     secretKey: bytes = attrs.field(repr=False)
 
-    @classmethod
-    def fromFiles(cls, serverPublicFile: str, secretFile: Optional[str] = None) -> CurveClient:
-        import zmq
-
-        serverKey, _ = _load(serverPublicFile, secret=False)
-        public, secret = zmq.curve_keypair() if secretFile is None else _load(secretFile, True)
-        return cls(serverKey, public, secret)  # type: ignore[arg-type]
-
     def apply(self, socket: Any) -> None:
         """Make *socket* (before it connects) a CURVE client."""
         import zmq
@@ -99,19 +74,40 @@ class CurveClient:
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secretKey)
 
 
-def curve_server(secretFile: Optional[str], allowDir: Optional[str]) -> Optional[CurveServer]:
-    """``curveSecret`` and ``curveAllow`` as a :class:`CurveServer` (None without a secret)."""
-    if secretFile is None and allowDir is not None:
-        raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
-                         "the server's own key pair")
-    return None if secretFile is None else CurveServer.fromFiles(secretFile, allowDir)
+def curve_server(secretFile: Optional[str], allowDir: Optional[str] = None) -> Optional[CurveServer]:
+    """``curveSecret`` (``NAME.key_secret``) and ``curveAllow`` (a directory of ``*.key``
+    files) as a :class:`CurveServer` (None without a secret)."""
+    if secretFile is None:
+        if allowDir is not None:
+            raise ValueError("curveAllow (--curve-allow) needs curveSecret (--curve-secret): "
+                             "the server's own key pair")
+        return None
+    public, secret = _load(secretFile, secret=True)
+    allow = None
+    if allowDir is not None:
+        if not os.path.isdir(allowDir):
+            raise TransportError(f"CURVE allow-list {allowDir!r} is not a directory of "
+                                 f"public-key certificates ({PUBLIC_SUFFIX} files)")
+        import zmq.auth
+
+        allow = frozenset(zmq.auth.load_certificates(allowDir))
+        if not allow:
+            log.warn("the CURVE allow-list {dir} holds no certificate: no peer will get "
+                     "through", dir=allowDir)
+    return CurveServer(public, secret, allow)  # type: ignore[arg-type]
 
 
-def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str]) -> Optional[CurveClient]:
+def curve_client(serverPublicFile: Optional[str], secretFile: Optional[str] = None) -> Optional[CurveClient]:
     """``curveServerPublic`` and ``curveSecret`` as a :class:`CurveClient`, or None."""
-    if serverPublicFile is None and secretFile is not None:
-        raise ValueError("curveSecret needs curveServerPublic: the server's public key")
-    return None if serverPublicFile is None else CurveClient.fromFiles(serverPublicFile, secretFile)
+    if serverPublicFile is None:
+        if secretFile is not None:
+            raise ValueError("curveSecret needs curveServerPublic: the server's public key")
+        return None
+    import zmq
+
+    serverKey, _ = _load(serverPublicFile, secret=False)
+    public, secret = zmq.curve_keypair() if secretFile is None else _load(secretFile, True)
+    return CurveClient(serverKey, public, secret)  # type: ignore[arg-type]
 
 
 def _gate(server: CurveServer, endpoint: str, reactor: Any, refused: Optional[Any]) -> Any:

@@ -120,7 +120,7 @@ def open_datagrams(endpoint: str, receiver: IDatagramReceiver,
     reactor = default_reactor(reactor)
     if spec.scheme == "loopback":
         return defer.succeed(LoopbackDatagrams(spec, receiver, reactor))
-    return UDPDatagrams.open(spec, receiver, reactor)
+    return defer.ensureDeferred(UDPDatagrams(spec, receiver, reactor).open())
 
 
 @implementer(IDatagramTransport)
@@ -140,30 +140,26 @@ class UDPDatagrams(DatagramProtocol):
     def datagramReceived(self, data: bytes, addr: Any) -> None:
         self.receiver.datagramReceived(data, addr[0])
 
-    @classmethod
-    def open(cls, spec: DatagramSpec, receiver: IDatagramReceiver,
-             reactor: Any) -> defer.Deferred[IDatagramTransport]:
-        self = cls(spec, receiver, reactor)
+    async def open(self) -> UDPDatagrams:
+        spec = self.spec
         try:
-            self.port = reactor.listenMulticast(spec.port, self, listenMultiple=True)
+            self.port = self.reactor.listenMulticast(spec.port, self, listenMultiple=True)
         except Exception as e:
-            return defer.fail(TransportError(f"cannot listen on {spec.endpoint}: {e}"))
+            raise TransportError(f"cannot listen on {spec.endpoint}: {e}") from e
         transport = self.transport
         if not spec.multicast:
             transport.setBroadcastAllowed(True)
-            return defer.succeed(self)
+            return self
         transport.setTTL(1)
         transport.setLoopbackMode(1)
-
-        def failed(reason: Any) -> Any:
+        try:
+            await transport.setOutgoingInterface(spec.host)
+            await transport.joinGroup(spec.destination, spec.host)
+        except Exception as e:
             self.port.stopListening()
-            return defer.fail(TransportError(f"cannot join multicast group {spec.destination} on "
-                                             f"{spec.host} ({spec.endpoint}): {reason.getErrorMessage()}"))
-
-        joined = transport.setOutgoingInterface(spec.host)
-        joined.addCallback(lambda _: transport.joinGroup(spec.destination, spec.host))
-        joined.addCallbacks(lambda _: self, failed)
-        return joined
+            raise TransportError(f"cannot join multicast group {spec.destination} on "
+                                 f"{spec.host} ({spec.endpoint}): {e}") from e
+        return self
 
     def send(self, data: bytes) -> None:
         if self.port is None:

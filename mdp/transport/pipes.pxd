@@ -3,7 +3,7 @@
 
 cdef class _ZmqPipe:
     cdef public object loop, owner, tag, socket, handle, fd, backlog, up, waitMs, address
-    cdef public object linger, curve, core, retryAt, inFlight
+    cdef public object linger, curve, core, retryAt
 
     cpdef send(self, frames)
     cdef bint _trySend(self, frames) except -1

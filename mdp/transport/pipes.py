@@ -22,8 +22,7 @@ from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, STALE, Channel, 
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RECORDS, encode_record
 from mdp.transport.registry import split_description
-from mdp.transport.zeromq import InFlight
-from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls, socket_handle
+from mdp.transport.zmqio import ZERO_COPY_BYTES, _zmq, random_identity, socket_calls
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -71,10 +70,10 @@ _HIGH_WATER_MARK = 1000  #: messages a DEALER queues each way (its HWMs)
 class _ZmqPipe:
     """One DEALER socket, up from the start (ZeroMQ reconnects by itself);
     ``backlogged`` while messages wait for room or libzmq holds over
-    ``limits.maxOutputBytes`` (:class:`InFlight`), ``draining`` until half."""
+    ``limits.maxOutputBytes`` (:class:`DealerCore`), ``draining`` until half."""
 
     __slots__ = ("loop", "owner", "tag", "socket", "handle", "fd", "backlog", "up", "waitMs",
-                 "address", "linger", "curve", "core", "retryAt", "inFlight")
+                 "address", "linger", "curve", "core", "retryAt")
 
     def __init__(self, loop: Any, owner: Any, tag: Any, address: str, linger: int, curve: Any = None) -> None:
         self.loop = loop
@@ -100,7 +99,7 @@ class _ZmqPipe:
                 sock.setsockopt(zmq.ROUTING_ID, random_identity())  # not guessable (ZmqRouter)
             sock.connect(self.address)
             fd = sock.get(zmq.FD)
-            handle = socket_handle(sock, _native)
+            handle = sock.underlying if _native else sock
             self.loop.watch(fd, _POLLIN)  # (a closed poller refuses: the socket goes)
         except BaseException:
             sock.close(0)
@@ -111,16 +110,16 @@ class _ZmqPipe:
         self.fd = fd
         self.up = True
         self.waitMs = -1  # the socket's RCVTIMEO
-        self.inFlight = InFlight(self.loop.limits.maxOutputBytes)
+        self.core.clear()
         self.loop.pipes[fd] = self
 
     @property
     def backlogged(self) -> bool:
-        return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound
+        return bool(self.backlog) or self.core.held() > self.core.limits.maxOutputBytes
 
     @property
     def draining(self) -> bool:
-        return bool(self.backlog) or self.inFlight.held() > self.inFlight.bound // 2
+        return bool(self.backlog) or self.core.held() > self.core.limits.maxOutputBytes // 2
 
     def send(self, frames: list[bytes]) -> None:
         if self.socket is None:
@@ -130,12 +129,12 @@ class _ZmqPipe:
         self.loop.unchecked.add(self)
 
     def _trySend(self, frames: list[bytes]) -> bool:
-        frames, size, tracker = self.inFlight.track(frames)
+        frames, size, tracker = self.core.track(frames)
         try:
             _send(self.handle, frames, ZERO_COPY_BYTES, _pysend, self.socket)
         except _Again:
             return False  # only the first frame can be refused (a full pipe)
-        self.inFlight.went(size, tracker)
+        self.core.went(size, tracker)
         return True
 
     def ready(self, flags: int, now: float) -> None:
@@ -231,7 +230,6 @@ class _ZmqPipe:
             log.warn("zmq dealer to {address} cannot open a socket: {error}; tries again in "
                      "{delay:g}s", address=self.address, error=e, delay=delay)
             return False
-        self.core.opened()
         self.retryAt = None
         self.loop.timed.discard(self)
         return True
@@ -246,7 +244,6 @@ class _ZmqPipe:
         self.up = False
         self.retryAt = None
         self.core.clear()
-        self.inFlight = InFlight(self.inFlight.bound)  # (what libzmq held goes with the socket)
         self.loop.unchecked.discard(self)
         self.loop.timed.discard(self)
         if sock is not None:
@@ -271,13 +268,11 @@ class _StreamPipe:
         self.family = family
         self.address = address
         self.socket: Optional[socket.socket] = None
-        self.key: Any = None
         self.out = bytearray()
         self.failures = 0
         self.retryAt: Optional[float] = 0.0  # (the first attempt: at the loop's next turn)
         #: messages read and not yet handed on, in order
         self.received: deque[list[bytes]] = deque()
-        self.candidates: list[tuple[int, Any]] = []
         self._closeSocket()
         loop.timed.add(self)
 

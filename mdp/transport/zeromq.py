@@ -25,7 +25,6 @@ from mdp.interfaces import (
     IRouterTransport,
 )
 from mdp.messages import envelope, is_relayed, relayed_peer, routing_id
-from mdp.policy import FRAME_OVERHEAD as _OVERHEAD
 from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, default_reactor, held_bytes
 from mdp.transport.curve import CurveClient, CurveServer, forget_domain, zap_domain
 from mdp.transport.dealercore import DealerCore
@@ -97,7 +96,7 @@ class _RoutedSocket:
         self._pacer = FlushPacer()
         self.connection.socket.set(zmq.ROUTER_MANDATORY, 1)
 
-    def _send(self, peer: bytes, frames: list[bytes]) -> None:
+    def sendMessage(self, peer: bytes, frames: list[bytes]) -> None:
         if self.connection.socket is None:
             return
         message = envelope(peer, frames)
@@ -137,10 +136,6 @@ class _RoutedSocket:
                            limit=self.limits.maxOutputBytes, count=self.overflows)
         if not self.connects:
             self.reactor.callLater(0, self._reportCut, connection)
-
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.backlogs)
 
     def _flush(self) -> None:
         """Send what waits (on the timer, and when libzmq signals)."""
@@ -310,16 +305,12 @@ class ZmqRouter(_RoutedSocket):
                     known = self.relayedOf[connection] = OrderedDict()
                     if len(self.relayedOf) > MAX_CUT_OFF * 10:  # (ZeroMQ never says they went)
                         del self.relayedOf[next(iter(self.relayedOf))]
-                if peer in known:
-                    known.move_to_end(peer)
-                else:
-                    known[peer] = None
-                    if len(known) > MAX_RELAYED:
-                        self.receiver.peerDisconnected(known.popitem(last=False)[0])
+                known[peer] = None
+                known.move_to_end(peer)
+                if len(known) > MAX_RELAYED:
+                    self.receiver.peerDisconnected(known.popitem(last=False)[0])
         if not self._closing:
             self.receiver.messageReceived(peer, frames)
-
-    sendMessage = _RoutedSocket._send
 
     def disconnectPeer(self, peer: bytes) -> None:
         """ZeroMQ has no per-peer connection to drop."""
@@ -369,41 +360,6 @@ class ZmqRouter(_RoutedSocket):
         return closed
 
 
-class InFlight:
-    """The bytes a DEALER handed libzmq that it may still hold: every quarter
-    *bound*, one message goes tracked; once let go of, so are those before it."""
-
-    __slots__ = ("bound", "sent", "released", "marked", "marks")
-
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
-        self.sent = self.released = self.marked = 0
-        self.marks: deque[tuple[Any, int]] = deque()  # (tracker, ``sent`` after it)
-
-    def held(self) -> int:
-        marks = self.marks
-        while marks and marks[0][0].done:
-            self.released = marks.popleft()[1]
-        return self.sent - self.released
-
-    def track(self, frames: list[Any]) -> tuple[list[Any], int, Any]:
-        """*frames* to send (the last tracked if due), their size, and the tracker."""
-        size = _OVERHEAD * len(frames)
-        for frame in frames:
-            size += len(frame)
-        if self.sent + size - self.marked < self.bound >> 2:
-            return frames, size, None
-        last = frames[-1]
-        last = zmq.Frame(last if type(last) is bytes else bytes(last), track=True, copy=False)
-        return [*frames[:-1], last], size, last.tracker
-
-    def went(self, size: int, tracker: Any) -> None:
-        self.sent += size
-        if tracker is not None:
-            self.marked = self.sent
-            self.marks.append((tracker, self.sent))
-
-
 @implementer(IDealerTransport)
 class ZmqDealer:
     """A connecting DEALER: not ``writable`` while refused messages wait or libzmq holds too much."""
@@ -420,6 +376,7 @@ class ZmqDealer:
         self.reactor = reactor
         policy = retryPolicy or RECONNECT.retryPolicy()
         self.core = DealerCore(limits, lambda failures: policy(failures + 1))
+        self.backlogs = self.core.backlog  # (what the connection's read looks at, as a ROUTER's)
         self.curve = curve
         self.endpoint = endpoint
         # under CURVE, unguessable (see ZmqRouter.identified)
@@ -434,11 +391,8 @@ class ZmqDealer:
 
     @property
     def writable(self) -> bool:
-        return not self.core.backlog and self.inFlight.held() <= self.inFlight.bound
-
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.core.backlog)
+        core = self.core
+        return not core.backlog and core.held() <= self.limits.maxOutputBytes
 
     def drained(self) -> defer.Deferred[None]:
         if self.writable:
@@ -453,7 +407,7 @@ class ZmqDealer:
         if self.connection is None:
             self._waiters.fire()
             return
-        core, inFlight = self.core, self.inFlight
+        core = self.core
         progressed = False
         while core.backlog:
             if not self._trySend(core.backlog[0]):
@@ -461,19 +415,19 @@ class ZmqDealer:
             core.sent()
             progressed = True
         else:
-            released = inFlight.released
-            if inFlight.held() <= inFlight.bound // 2:
+            released = core.released
+            if core.held() <= self.limits.maxOutputBytes // 2:
                 self._waiters.fire()
                 return
-            progressed = inFlight.released != released
+            progressed = core.released != released
         self._retry = self.reactor.callLater(self._pacer.next(progressed), self._flush)
 
     def _trySend(self, frames: list[bytes]) -> bool:
         """Send *frames* now; False on a full queue."""
-        frames, size, tracker = self.inFlight.track(frames)
+        frames, size, tracker = self.core.track(frames)
         try:
             self.connection.send(frames)
-            self.inFlight.went(size, tracker)
+            self.core.went(size, tracker)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -490,15 +444,13 @@ class ZmqDealer:
             connection.shutdown()
             raise
         self.connection = connection
-        self.core.opened()
-        self.inFlight = InFlight(self.limits.maxOutputBytes)
+        self.core.clear()
         self.reactor.callLater(0, self._made, connection)
 
     def _made(self, connection: Any) -> None:
         if connection is self.connection:
             self.receiver.connectionMade()
-            if connection.socket is not None:
-                connection.attached()
+            connection.attached()  # (unless a callback closed it)
 
     def discardReceived(self) -> int:
         return 0 if self.connection is None else self.connection.discardQueued()
@@ -516,7 +468,7 @@ class ZmqDealer:
         self.reactor.callLater(0, self._replace, self.connection, size, count)
 
     def _replace(self, connection: Any, size: int, count: int) -> None:
-        if connection is not self.connection or connection is None:
+        if connection is not self.connection:  # (closed or replaced meanwhile)
             return
         why = self.core.oversized(size, count)
         self.close()
@@ -581,5 +533,5 @@ class ZmqPeerRouter(_RoutedSocket):
         self.endpoints.add(endpoint)
 
     def sendMessage(self, endpoint: str, frames: list[bytes]) -> None:
-        self._send(endpoint.encode(), frames)
+        _RoutedSocket.sendMessage(self, endpoint.encode(), frames)
 

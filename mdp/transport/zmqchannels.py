@@ -43,10 +43,8 @@ class ZmqChannel:
         self.held: list[list[bytes]] = []
 
     @property
-    def connected(self) -> bool:
-        if self.alone is not None:
-            return bool(self.alone.connected)
-        return self.hop is not None and self.link.up and not self.closed
+    def connected(self) -> bool:  # (a DEALER of its own is, from the start)
+        return self.alone is not None or self.hop is not None and self.link.up and not self.closed
 
     @property
     def writable(self) -> bool:
@@ -90,7 +88,7 @@ class ZmqChannels:
 
     state = ALONE
     up = closed = False
-    stale = _next = 0  # messages for hops no pipe has; the last hop
+    _next = 0  # the last hop
     _waitCall: Any = None
     dealer: Any = None  # of the relay hops, once a second pipe is open
 
@@ -183,9 +181,7 @@ class ZmqChannels:
         pipe = self.relayed.get(hop)
         if pipe is not None:
             pipe.receiver.messageReceived(frames[1:])
-        elif hop != PROBE_HOP:
-            self.stale += 1
-        elif self.state is not RELAYING:  # the probe's answer
+        elif hop == PROBE_HOP and self.state is not RELAYING:  # the probe's answer
             self.state = RELAYING
             self._waitCall = cancel_call(self._waitCall)
             waiting, self.waiting = self.waiting, []

@@ -85,16 +85,12 @@ OVER = 1  # read_pyzmq's answer for a message over the limits, as _zmqframes.rea
 
 def socket_calls(native: bool = True) -> tuple[Any, Any, Any, bool]:
     """``(read, send, events, native)``: the calls that read a whole message,
-    send one and ask ``EVENTS``; in C where built and *native*, else pyzmq's."""
+    send one and ask ``EVENTS``; in C where built and *native* (taking the libzmq
+    socket's address, ``socket.underlying``), else pyzmq's (taking the socket)."""
     frames = zmq_frames() if native else None
     if frames is None:
         return read_pyzmq, send_pyzmq, events_pyzmq, False
     return frames.read, frames.send, frames.events, True
-
-
-def socket_handle(socket: Any, native: bool) -> Any:
-    """What :func:`socket_calls` take: the libzmq address (*native*), or the socket."""
-    return socket.underlying if native else socket
 
 
 def read_pyzmq(socket: Any, flags: int, keepAfter: int, keepBytes: int, maxFrames: int,
@@ -181,7 +177,7 @@ def _connection_classes() -> tuple[type, type]:
                 if socket is None:
                     return
                 owner = self.owner
-                if owner is not None and owner.backlogged:  # (a drained pipe signals too)
+                if owner is not None and owner.backlogs:  # (a drained pipe signals too)
                     owner._flush()
                     if self.socket is None:
                         return
@@ -277,7 +273,7 @@ def _connection_classes() -> tuple[type, type]:
         def _handle(self, socket: Any) -> Any:
             if socket is None:
                 raise zmq.ZMQError(errno.ENOTSOCK)
-            self.handle = handle = socket_handle(socket, native)
+            self.handle = handle = socket.underlying if native else socket
             return handle
 
         def send(self, frames: list[bytes]) -> None:
