@@ -60,10 +60,9 @@ class ReqMachine(Machine):
         self.ids = id_sequence(firstId)
         self.channels: list[Channel] = []
         self._turn = 0
+        #: every request out, oldest first (those waiting for a channel have none)
         self.requests: dict[int, _Request] = {}
-        #: requests waiting for a channel, and those on one, each in the order they went
-        self._held: OrderedDict[int, _Request] = OrderedDict()
-        self._sent: OrderedDict[int, _Request] = OrderedDict()
+        self._sent: OrderedDict[int, _Request] = OrderedDict()  # those on a channel, by deadline
         self.wakeAt: Optional[float] = None
         self._serials = itertools.count()
 
@@ -80,8 +79,7 @@ class ReqMachine(Machine):
         self.now = now
         if channel not in self.channels:
             self.channels.append(channel)
-        while self._held:
-            _, request = self._held.popitem(last=False)
+        for request in [r for r in self.requests.values() if r.channel is None]:
             self._send(request)
         self._rearm()
         return self._drain()
@@ -124,7 +122,6 @@ class ReqMachine(Machine):
     def _forget(self, requestId: int) -> bool:
         if self.requests.pop(requestId, None) is None:
             return False
-        self._held.pop(requestId, None)
         self._sent.pop(requestId, None)
         return True
 
@@ -142,7 +139,6 @@ class ReqMachine(Machine):
         self._sent.pop(request.requestId, None)
         if not self.channels:
             request.channel = None
-            self._held[request.requestId] = request
             return
         channel = self.channels[self._turn % len(self.channels)]
         self._turn = (self._turn + 1) % len(self.channels)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import secrets
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -226,10 +225,6 @@ class SPServer(_Side):
                                   peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
-        def run() -> Any:
-            result = self.handler(payload)
-            return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
-
         def done(reply: Any) -> None:
             try:
                 reply = None if reply is None else as_frame(reply, "the SP handler's reply")
@@ -244,7 +239,7 @@ class SPServer(_Side):
                 log.failure("SP handler failed; no reply", failure)
             self._perform(self.machine.handleReply(token, None, self._now()))
 
-        defer.maybeDeferred(run).addCallbacks(done, failed)
+        defer.maybeDeferred(self.handler, payload).addCallbacks(done, failed)  # (a coroutine too)
 
 
 def peer_label(owner: Any, peer: bytes) -> str:
