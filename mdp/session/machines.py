@@ -29,10 +29,6 @@ MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
 MAX_UNATTACHED = 4096  # connections without a session a server tracks (beyond, the oldest close)
 
 
-
-def _acknowledged(*event: Any) -> None:
-    """An ACK: its ack, read before any handler, is all it says."""
-
 class SessionQueueFull(MDPError):
     """The session holds its limit of unacknowledged messages; nothing was queued."""
 
@@ -296,7 +292,7 @@ class ClientSessionMachine(Machine):
 
     _handlers = {codec.PingOk: _onPingOk, codec.Unknown: _onUnknown, codec.Refused: _onRefused,
                  codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData,
-                 codec.Ack: _acknowledged}
+                 codec.Ack: lambda *event: None}
 
     def _lost(self, seq: int) -> None:
         if self.now - self.helloAt < self.reattachPause:
@@ -410,7 +406,8 @@ class ServerSessionMachine(Machine):
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
 
-    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData, codec.Ack: _acknowledged}
+    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData,
+                 codec.Ack: lambda *event: None}
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""

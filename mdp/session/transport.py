@@ -392,31 +392,22 @@ class SessionDealer(_End):
 
     def close(self) -> defer.Deferred[None]:
         """Close, after up to :attr:`CLOSE_GRACE` for the server's acknowledgement."""
-        if self._closing is not None:
-            return after(self._closing)
-        if self.closed:
-            return self._close(warn=False)
-        if not self.machine.seq.unacked or self.machine.state != "attached":
-            return self._close()
-        self.closed = True  # (sends refused; what comes in is still read)
-        deadline = self._now() + self.CLOSE_GRACE
+        if self._closing is None:
+            self.closed = True  # (sends refused; what comes in is still read)
+            deadline = self._now() + self.CLOSE_GRACE
 
-        def check() -> Any:
-            if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
-                return task.deferLater(self.reactor, 0.05, check)
-            return self._close()
+            def check() -> Any:
+                if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
+                    return task.deferLater(self.reactor, 0.05, check)
+                if self.machine.seq.unacked:
+                    log.warn("{end} closed with {count} messages not acknowledged by the server",
+                             end=self._name(), count=len(self.machine.seq.unacked))
+                self.reopening = cancel_call(self.reopening)
+                self._waiters.fire()
+                return self._shutdown()
 
-        self._closing = defer.maybeDeferred(check)
+            self._closing = defer.maybeDeferred(check)
         return after(self._closing)
-
-    def _close(self, warn: bool = True) -> defer.Deferred[None]:
-        if warn and self.machine.seq.unacked:
-            log.warn("{end} closed with {count} messages not acknowledged by the server",
-                     end=self._name(), count=len(self.machine.seq.unacked))
-        self.closed = True
-        self.reopening = cancel_call(self.reopening)
-        self._waiters.fire()
-        return self._shutdown()
 
 
 @implementer(IDealerReceiver)
