@@ -256,10 +256,8 @@ class ClientSessionMachine(Machine):
             self._lost(max(message.sent, self.seq.received))
 
     def _onUnknown(self, message: codec.Unknown, refused: Optional[str]) -> None:
-        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO is on its way)
-            self._emit(Notice("reattach", "the server does not know this connection (it restarted, or "
-                              "the connection was replaced); attaching again", "info"))
-            self._hello()
+        self._reattach("the server does not know this connection (it restarted, or the connection "
+                       "was replaced)")
 
     def _onRefused(self, message: codec.Refused, refused: Optional[str]) -> None:
         if self.state == "attaching":
@@ -295,11 +293,12 @@ class ClientSessionMachine(Machine):
                  codec.Ack: lambda *event: None}
 
     def _lost(self, seq: int) -> None:
-        if self.now - self.helloAt < self.reattachPause:
-            return  # attached again a moment ago: what is missing is on its way
-        self._emit(Notice("reattach", f"messages were lost on the way (up to {seq}, we have "
-                                      f"{self.seq.received}); attaching again", "info"))
-        self._hello()
+        self._reattach(f"messages were lost on the way (up to {seq}, we have {self.seq.received})")
+
+    def _reattach(self, why: str) -> None:
+        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO or what is lost is on its way)
+            self._emit(Notice("reattach", f"{why}; attaching again", "info"))
+            self._hello()
 
     def _hello(self) -> None:
         self.state = "attaching"

@@ -229,13 +229,12 @@ class SessionRouter(_End):
         except machines.UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except machines.SessionQueueFull as e:
-            # a hole would be worse: the session ends, reported a turn later (we are in the app's call)
+            # a hole would be worse: the session ends, its Expired (the last action) reported a turn
+            # later (we are in the app's call)
             self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
-            self._perform([a for a in actions if not isinstance(a, machines.Expired)])
-            reports = [a for a in actions if isinstance(a, machines.Expired)]
-            if reports:
-                self.reactor.callLater(0, self._perform, reports)
+            self._perform(actions[:-1])
+            self.reactor.callLater(0, self._perform, actions[-1:])
 
     def disconnectPeer(self, peer: bytes) -> None:
         """A session has no connection to drop: it ends when it expires."""
