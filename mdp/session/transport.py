@@ -27,8 +27,7 @@ from mdp.transport.flow import DrainWaiters, after
 log = Logger()
 
 PREFIX = "session+"
-#: What the session protocol adds to a message: frames, and bytes at most.
-OVERHEAD_FRAMES = 4
+OVERHEAD_FRAMES = 4  # what the session protocol adds to a message: frames, and bytes at most
 OVERHEAD_BYTES = 64
 
 
@@ -73,9 +72,8 @@ class _End:
     machine: Any
     _performers: dict[type, Any]
     title = ""
-    #: messages lost as over our limits, and ours sent as SKIPs
-    dropped = 0
-    skipped = 0
+    dropped = 0  # messages lost as over our limits
+    skipped = 0  # ours sent as SKIPs
 
     def __init__(self, receiver: Any, reactor: Any, limits: Limits, endpoint: str) -> None:
         self.receiver, self.reactor, self.limits, self.endpoint = receiver, reactor, limits, endpoint

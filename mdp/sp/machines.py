@@ -3,6 +3,7 @@ is one connection to a peer."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
@@ -14,33 +15,26 @@ from mdp.machine import Machine, action_type
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, id_sequence, pop_word, split_backtrace, word
 
-#: Seconds before a request without a reply is sent again (nng's default).
-DEFAULT_RESEND = 60.0
+DEFAULT_RESEND = 60.0  # seconds before a request without a reply is sent again (nng's default)
 
 Channel = Hashable
 
 
-SendOn = action_type(__name__, "SendOn", "channel", "body")
-#: a device: send *body* upstream
-Forward = action_type(__name__, "Forward", "body")
-#: request *requestId* has its reply
-Complete = action_type(__name__, "Complete", "requestId", "payload")
-#: run the handler on *payload*; answer with *token*
-Serve = action_type(__name__, "Serve", "token", "payload")
-#: something was dropped (the driver logs it)
-Dropped = action_type(__name__, "Dropped", "channel", "reason")
-#: a request was dropped: as many as allowed are in hand
-Overloaded = action_type(__name__, "Overloaded", "channel", "reason")
-#: call ``handleWake`` at *when* (None: no timer needed)
-WakeAt = action_type(__name__, "WakeAt", "when")
+_action = functools.partial(action_type, __name__)
+SendOn = _action("SendOn", "channel", "body")
+Forward = _action("Forward", "body")  # a device: send *body* upstream
+Complete = _action("Complete", "requestId", "payload")  # request *requestId* has its reply
+Serve = _action("Serve", "token", "payload")  # run the handler on *payload*; answer with *token*
+Dropped = _action("Dropped", "channel", "reason")  # something was dropped (the driver logs it)
+Overloaded = _action("Overloaded", "channel", "reason")  # a request dropped: as many as allowed are in hand
+WakeAt = _action("WakeAt", "when")  # call ``handleWake`` at *when* (None: no timer needed)
 
 
 @attrs.define(eq=False)
 class _Request:
     requestId: int
     body: bytes
-    #: resends due together go in this order
-    serial: int
+    serial: int  # resends due together go in this order
     channel: Optional[Channel] = None
     resendAt: float = 0.0
 

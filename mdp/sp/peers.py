@@ -26,8 +26,7 @@ from mdp.transport.stream import StreamDealer, StreamRouter
 log = Logger()
 
 
-#: a random 31-bit id
-random_id = functools.partial(secrets.randbits, 31)
+random_id = functools.partial(secrets.randbits, 31)  # a random 31-bit id
 
 
 @implementer(IDealerReceiver)
@@ -202,8 +201,7 @@ class SPServer(_Side):
         self.handler = handler
         self.machine = machines.RepMachine(random_id(), now=self._now(), **options)
         self.served = 0
-        #: requests dropped at maxPending or maxPendingBytes
-        self.overloaded = 0
+        self.overloaded = 0  # requests dropped at maxPending or maxPendingBytes
 
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router (its ``endpoint`` reaches it)."""
