@@ -87,7 +87,7 @@ def endpoint_port(endpoint: str) -> Optional[str]:
 
 @attrs.define
 class Peer:
-    """A peer, a stranger, or a dial: a link opened to a listed endpoint before we know who is there."""
+    """A peer (it said HELLO), a stranger (heard by beacons) or a dial (a link to a listed endpoint)."""
 
     uuid: Optional[UUID]  # (None: a dial)
     endpoint: str
