@@ -83,10 +83,8 @@ class ReqMachine(Machine):
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
-            del self.channels[index]
-            if index < self._turn:
-                self._turn -= 1
-            self._turn %= max(len(self.channels), 1)
+            del self.channels[index]  # (the turn stays with the channel that was next)
+            self._turn = (self._turn - (index < self._turn)) % max(len(self.channels), 1)
         for request in list(self.requests.values()):
             if request.channel == channel:
                 request.channel = None
@@ -177,14 +175,10 @@ class _ChannelMachine(Machine):
         return []
 
     def _idOf(self, channel: Channel) -> int:
-        if channel in self.byChannel:
-            return self.byChannel[channel]
-        number = next(self.channelIds)
-        while number in self.byId:
-            number = next(self.channelIds)
-        self.byChannel[channel] = number
-        self.byId[number] = channel
-        return number
+        if channel not in self.byChannel:
+            number = next(n for n in self.channelIds if n not in self.byId)
+            self.byChannel[channel], self.byId[number] = number, channel
+        return self.byChannel[channel]
 
 
 class RepMachine(_ChannelMachine):
