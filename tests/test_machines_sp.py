@@ -208,7 +208,7 @@ def test_wake_ups_and_resends_match_a_look_at_every_request(
             actions = req.handleCancel(chosen, now)
         elif kind == "wake":
             expected = [r.body for r in req.requests.values()
-                        if r.requestId not in req._held and r.resendAt <= now]
+                        if r.channel is not None and r.resendAt <= now]
             actions = req.handleWake(now)
         elif kind == "up":
             actions = req.handleChannelUp("abc"[pick % 3], now)
@@ -217,7 +217,7 @@ def test_wake_ups_and_resends_match_a_look_at_every_request(
         if expected is not None:
             assert [body for _, body in sends(actions)] == expected
         wake = wake_of(actions, wake)
-        out = [r.resendAt for r in req.requests.values() if r.requestId not in req._held]
+        out = [r.resendAt for r in req.requests.values() if r.channel is not None]
         assert wake == (min(out) if out else None)
         assert len(req._sent) == len(out)
 

@@ -38,6 +38,22 @@ async def test_our_req_and_rep_many_in_flight() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_coroutine_handler_replies_when_it_returns() -> None:
+    async def handler(payload: bytes) -> bytes:
+        await task.deferLater(reactor(), 0.01, lambda: None)
+        return b"later:" + payload
+
+    server = SPServer(handler, reactor())
+    router = await server.listen("tcp://127.0.0.1:0")
+    client = SPClient(url_of(router), reactor())
+    try:
+        assert await client.request(b"x") == b"later:x"
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_pynng_req0_to_our_rep_and_our_req_to_pynng_rep0() -> None:
     import pynng
 

@@ -87,7 +87,9 @@ def endpoint_port(endpoint: str) -> Optional[str]:
 
 @attrs.define
 class Peer:
-    uuid: UUID
+    """A peer (it said HELLO), a stranger (heard by beacons) or a dial (a link to a listed endpoint)."""
+
+    uuid: Optional[UUID]  # (None: a dial)
     endpoint: str
     link: int
     name: str = ""
@@ -99,20 +101,10 @@ class Peer:
     evasiveAt: float = 0.0
     expiredAt: float = 0.0
     evasive: bool = False
-    helloAt: float = 0.0  # when it said HELLO; for a stranger, when ours went
+    helloAt: float = 0.0  # when it said HELLO; for a stranger or a dial, when ours went (or it failed)
     answeredAt: float = float("-inf")
-
-
-@attrs.define
-class _Dial:
-    """A link opened to an endpoint from a list, before we know who is there."""
-
-    link: int
-    endpoint: str
-    sent: int
-    since: float = 0.0  # when the HELLO went
-    failed: bool = False
-    tries: int = 0  # unanswered dials before this one
+    failed: bool = False  # a dial whose link failed
+    tries: int = 0  # a dial: the unanswered dials before this one
 
 
 class HarmonyMachine(Machine):
@@ -149,7 +141,7 @@ class HarmonyMachine(Machine):
         self._peerAt: dict[str, UUID] = {}
         self.strangers: dict[UUID, Peer] = {}
         self._strangerAt: dict[str, UUID] = {}
-        self.dials: dict[str, _Dial] = {}  # links to listed endpoints not yet known as a peer
+        self.dials: dict[str, Peer] = {}  # links to listed endpoints not yet known as a peer
         self.listed: list[str] = []  # endpoints dialled again when the peer there goes
 
     def handleStart(self, endpoint: str, now: float) -> list[Any]:
@@ -264,7 +256,8 @@ class HarmonyMachine(Machine):
         if not self.running or any(same_endpoint(endpoint, e) for e in taken):
             return
         self._forget(self.strangers.get(self._strangerAt.get(endpoint_key(endpoint))))
-        dial = self.dials[endpoint] = _Dial(self._newLink(endpoint), endpoint, 0, self.now, tries=tries)
+        link = self._newLink(endpoint)
+        dial = self.dials[endpoint] = Peer(None, endpoint, link, helloAt=self.now, tries=tries)
         self._send(dial, self._hello(0))
 
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
@@ -276,7 +269,7 @@ class HarmonyMachine(Machine):
         self._forget(next((s for s in self.strangers.values() if s.link == link), None))
         for dial in self.dials.values():
             if dial.link == link:
-                dial.since = now
+                dial.helloAt = now
                 dial.failed = True
         return self._drain()
 
@@ -414,9 +407,9 @@ class HarmonyMachine(Machine):
     def handleTick(self, now: float) -> list[Any]:
         self.now = now
         for dial in list(self.dials.values()):
-            if now - dial.since >= self._dialWait(dial.tries):
+            if now - dial.helloAt >= self._dialWait(dial.tries):
                 self._emit(Notice(None, f"{'no link to' if dial.failed else 'no HELLO from'} "
-                                        f"{dial.endpoint} in {now - dial.since:.0f} s; dialling it again, "
+                                        f"{dial.endpoint} in {now - dial.helloAt:.0f} s; dialling it again, "
                                         f"then again after {self._dialWait(dial.tries + 1):.0f} s", "info"))
                 del self.dials[dial.endpoint]
                 self._emit(CloseLink(dial.link))
@@ -489,7 +482,7 @@ class HarmonyMachine(Machine):
         self._refresh(peer)
         return peer
 
-    def _answeredDial(self, endpoint: str) -> Optional[_Dial]:
+    def _answeredDial(self, endpoint: str) -> Optional[Peer]:
         """The dial a peer at *endpoint* answers, removed: the one to it, else the only
         one to its port (a listed name); None if none, or its link failed."""
         dial = next((d for e, d in self.dials.items() if same_endpoint(e, endpoint)), None)
@@ -521,7 +514,7 @@ class HarmonyMachine(Machine):
             if listed is not None:
                 self._dial(listed)
 
-    def _send(self, to: Union[Peer, _Dial], message: codec.Message) -> None:
+    def _send(self, to: Peer, message: codec.Message) -> None:
         to.sent = codec.next_sequence(to.sent)
         self._emit(SendOn(to.link, codec.encode(attrs.evolve(message, sequence=to.sent))))
 

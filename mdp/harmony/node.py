@@ -50,19 +50,17 @@ class BeaconDiscovery:
         self.throttle = LogThrottle(self.reactor, interval=10.0)
         self.socket: Optional[interfaces.IDatagramTransport] = None
         self.listener: Optional[interfaces.IDiscoveryListener] = None
-        self.beacon = b""
         self.uuid: Optional[UUID] = None
         self.loop: Optional[task.LoopingCall] = None
 
     @defer.inlineCallbacks
     def start(self, listener: interfaces.IDiscoveryListener, uuid: UUID, port: int) -> Any:
         self.listener, self.uuid = listener, uuid
-        self.beacon = codec.encode_beacon(uuid, port)
         self.socket = socket = yield datagram.open_datagrams(self.endpoint, self, self.reactor)
         log.info("ZRE beacons every {interval:g} s from {host} to {to} ({endpoint})", interval=self.interval,
                  host=self.host, endpoint=self.endpoint,
                  to=f"{self.spec.destination}:{self.spec.port}" if self.spec.port else self.spec.network)
-        self.loop = task.LoopingCall(socket.send, self.beacon)
+        self.loop = task.LoopingCall(socket.send, codec.encode_beacon(uuid, port))
         self.loop.clock = self.reactor
         self.loop.start(self.interval, now=True)
 
@@ -82,9 +80,8 @@ class BeaconDiscovery:
         if self.loop is not None and self.loop.running:
             self.loop.stop()
         socket, self.socket = self.socket, None
-        if socket is not None:
-            if self.uuid is not None:
-                socket.send(codec.encode_beacon(self.uuid, 0))
+        if socket is not None:  # (open since start, which set the uuid)
+            socket.send(codec.encode_beacon(self.uuid, 0))  # type: ignore[arg-type]
             yield socket.close()
         self.listener = None
 

@@ -87,24 +87,18 @@ def decode(frames: Sequence[bytes]) -> Message:
     if (entry := _FIELDS.get(command)) is None:
         raise MalformedSession(f"unknown command {command[:16]!r}")
     kind, names = entry
-    names, rest, payload = _fields(command, kind, names, frames[2:])
+    rest, payload = frames[2:], ()
+    if kind is Data:
+        if len(rest) < 2:
+            raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
+        names, rest, payload = names[:2], rest[:2], (tuple(bytes(f) for f in rest[2:]),)
+    # a HELLO or WELCOME without its limits (another make) says none
+    elif len(rest) != len(names) and not (names[-1:] == ("maxFrames",) and len(rest) == len(names) - 2):
+        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
+                               f"not {len(names)}")
     message = kind(*map(_read, names, rest), *payload)
     if getattr(message, "seq", 1) == 0:
         raise MalformedSession(f"{command.decode()} numbered 0 (numbers start at 1)")
     if kind is Welcome and message.epoch == 0:
         raise MalformedSession("WELCOME with epoch 0")
     return message
-
-
-def _fields(command: bytes, kind: Any, names: tuple[str, ...],
-            rest: Sequence[bytes]) -> tuple[tuple[str, ...], Sequence[bytes], tuple]:
-    """The names of *kind*'s fields, the frames of *rest* that hold them, and DATA's payload."""
-    if kind is Data:
-        if len(rest) < 2:
-            raise MalformedSession(f"DATA has {len(rest)} frames after the command, not at least 2")
-        return names[:2], rest[:2], (tuple(bytes(f) for f in rest[2:]),)
-    # a HELLO or WELCOME without its limits (another make) says none
-    if len(rest) != len(names) and not (names[-1:] == ("maxFrames",) and len(rest) == len(names) - 2):
-        raise MalformedSession(f"{command.decode()} has {len(rest)} frames after the command, "
-                               f"not {len(names)}")
-    return names, rest, ()

@@ -29,10 +29,6 @@ MAX_ROUTING_ID = 2 ** (8 * ROUTING_ID_BYTES) - 1
 MAX_UNATTACHED = 4096  # connections without a session a server tracks (beyond, the oldest close)
 
 
-
-def _acknowledged(*event: Any) -> None:
-    """An ACK: its ack, read before any handler, is all it says."""
-
 class SessionQueueFull(MDPError):
     """The session holds its limit of unacknowledged messages; nothing was queued."""
 
@@ -260,10 +256,8 @@ class ClientSessionMachine(Machine):
             self._lost(max(message.sent, self.seq.received))
 
     def _onUnknown(self, message: codec.Unknown, refused: Optional[str]) -> None:
-        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO is on its way)
-            self._emit(Notice("reattach", "the server does not know this connection (it restarted, or "
-                              "the connection was replaced); attaching again", "info"))
-            self._hello()
+        self._reattach("the server does not know this connection (it restarted, or the connection "
+                       "was replaced)")
 
     def _onRefused(self, message: codec.Refused, refused: Optional[str]) -> None:
         if self.state == "attaching":
@@ -296,14 +290,15 @@ class ClientSessionMachine(Machine):
 
     _handlers = {codec.PingOk: _onPingOk, codec.Unknown: _onUnknown, codec.Refused: _onRefused,
                  codec.Welcome: _onWelcome, codec.Data: _onData, codec.Skip: _onData,
-                 codec.Ack: _acknowledged}
+                 codec.Ack: lambda *event: None}
 
     def _lost(self, seq: int) -> None:
-        if self.now - self.helloAt < self.reattachPause:
-            return  # attached again a moment ago: what is missing is on its way
-        self._emit(Notice("reattach", f"messages were lost on the way (up to {seq}, we have "
-                                      f"{self.seq.received}); attaching again", "info"))
-        self._hello()
+        self._reattach(f"messages were lost on the way (up to {seq}, we have {self.seq.received})")
+
+    def _reattach(self, why: str) -> None:
+        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO or what is lost is on its way)
+            self._emit(Notice("reattach", f"{why}; attaching again", "info"))
+            self._hello()
 
     def _hello(self) -> None:
         self.state = "attaching"
@@ -410,7 +405,8 @@ class ServerSessionMachine(Machine):
         elif verdict == "gap" and self._mayTell(session.peer):
             self._sendTo(session, codec.Unknown())
 
-    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData, codec.Ack: _acknowledged}
+    _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData,
+                 codec.Ack: lambda *event: None}
 
     def _withoutSession(self, peer: Hashable) -> None:
         """Track *peer*, which has no session (the tick closes it after the expiry)."""

@@ -36,14 +36,13 @@ class SessionClient(DealerReceiver):
         self.reactor = default_reactor(reactor)
         self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
-        self._closed = False
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with
         :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
-        if self._closed:
+        if self.dealer.closed:
             return defer.fail(ClientClosed("the session client is closed"))
         return defer.succeed(None) if self.dealer.madeOnce else self._waiting.wait()
 
@@ -55,8 +54,7 @@ class SessionClient(DealerReceiver):
         self.dealer.send(bytes_frames(frames))
 
     def close(self) -> defer.Deferred[None]:
-        if not self._closed:
-            self._closed = True
+        if not self.dealer.closed:
             self._waiting.fail(ClientClosed("the session client was closed before it attached"))
         return self.dealer.close()
 

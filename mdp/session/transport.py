@@ -27,8 +27,7 @@ from mdp.transport.flow import DrainWaiters, after
 log = Logger()
 
 PREFIX = "session+"
-#: What the session protocol adds to a message: frames, and bytes at most.
-OVERHEAD_FRAMES = 4
+OVERHEAD_FRAMES = 4  # what the session protocol adds to a message: frames, and bytes at most
 OVERHEAD_BYTES = 64
 
 
@@ -73,9 +72,8 @@ class _End:
     machine: Any
     _performers: dict[type, Any]
     title = ""
-    #: messages lost as over our limits, and ours sent as SKIPs
-    dropped = 0
-    skipped = 0
+    dropped = 0  # messages lost as over our limits
+    skipped = 0  # ours sent as SKIPs
 
     def __init__(self, receiver: Any, reactor: Any, limits: Limits, endpoint: str) -> None:
         self.receiver, self.reactor, self.limits, self.endpoint = receiver, reactor, limits, endpoint
@@ -229,13 +227,12 @@ class SessionRouter(_End):
         except machines.UnknownSession:
             pass  # as a ROUTER drops what it cannot route
         except machines.SessionQueueFull as e:
-            # a hole would be worse: the session ends, reported a turn later (we are in the app's call)
+            # a hole would be worse: the session ends, its Expired (the last action) reported a turn
+            # later (we are in the app's call)
             self._say("full", "session {session} ends: {error}", session=routing_id(peer), error=e)
             actions = self.machine.end(routing_id(peer), self._now())
-            self._perform([a for a in actions if not isinstance(a, machines.Expired)])
-            reports = [a for a in actions if isinstance(a, machines.Expired)]
-            if reports:
-                self.reactor.callLater(0, self._perform, reports)
+            self._perform(actions[:-1])
+            self.reactor.callLater(0, self._perform, actions[-1:])
 
     def disconnectPeer(self, peer: bytes) -> None:
         """A session has no connection to drop: it ends when it expires."""
@@ -392,31 +389,22 @@ class SessionDealer(_End):
 
     def close(self) -> defer.Deferred[None]:
         """Close, after up to :attr:`CLOSE_GRACE` for the server's acknowledgement."""
-        if self._closing is not None:
-            return after(self._closing)
-        if self.closed:
-            return self._close(warn=False)
-        if not self.machine.seq.unacked or self.machine.state != "attached":
-            return self._close()
-        self.closed = True  # (sends refused; what comes in is still read)
-        deadline = self._now() + self.CLOSE_GRACE
+        if self._closing is None:
+            self.closed = True  # (sends refused; what comes in is still read)
+            deadline = self._now() + self.CLOSE_GRACE
 
-        def check() -> Any:
-            if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
-                return task.deferLater(self.reactor, 0.05, check)
-            return self._close()
+            def check() -> Any:
+                if self.machine.seq.unacked and self.machine.state == "attached" and self._now() < deadline:
+                    return task.deferLater(self.reactor, 0.05, check)
+                if self.machine.seq.unacked:
+                    log.warn("{end} closed with {count} messages not acknowledged by the server",
+                             end=self._name(), count=len(self.machine.seq.unacked))
+                self.reopening = cancel_call(self.reopening)
+                self._waiters.fire()
+                return self._shutdown()
 
-        self._closing = defer.maybeDeferred(check)
+            self._closing = defer.maybeDeferred(check)
         return after(self._closing)
-
-    def _close(self, warn: bool = True) -> defer.Deferred[None]:
-        if warn and self.machine.seq.unacked:
-            log.warn("{end} closed with {count} messages not acknowledged by the server",
-                     end=self._name(), count=len(self.machine.seq.unacked))
-        self.closed = True
-        self.reopening = cancel_call(self.reopening)
-        self._waiters.fire()
-        return self._shutdown()
 
 
 @implementer(IDealerReceiver)

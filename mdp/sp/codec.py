@@ -19,14 +19,12 @@ from typing import Iterator
 
 from mdp.errors import ProtocolError, TransportError
 
-#: Most hops a request may take (nng's default ``NNG_OPT_MAXTTL``).
-DEFAULT_MAX_HOPS = 8
+DEFAULT_MAX_HOPS = 8  # most hops a request may take (nng's default ``NNG_OPT_MAXTTL``)
 BOTTOM = 0x80000000
 ID_MASK = 0x7FFFFFFF
 
 _word = struct.Struct(">I")
-#: a 32-bit word of the backtrace
-word = _word.pack
+word = _word.pack  # a 32-bit word of the backtrace
 
 
 def split_backtrace(message: bytes, maxHops: int = DEFAULT_MAX_HOPS) -> tuple[bytes, bytes]:

@@ -3,6 +3,7 @@ is one connection to a peer."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
@@ -14,33 +15,26 @@ from mdp.machine import Machine, action_type
 from mdp.policy import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_BYTES
 from mdp.sp.codec import BOTTOM, DEFAULT_MAX_HOPS, ID_MASK, id_sequence, pop_word, split_backtrace, word
 
-#: Seconds before a request without a reply is sent again (nng's default).
-DEFAULT_RESEND = 60.0
+DEFAULT_RESEND = 60.0  # seconds before a request without a reply is sent again (nng's default)
 
 Channel = Hashable
 
 
-SendOn = action_type(__name__, "SendOn", "channel", "body")
-#: a device: send *body* upstream
-Forward = action_type(__name__, "Forward", "body")
-#: request *requestId* has its reply
-Complete = action_type(__name__, "Complete", "requestId", "payload")
-#: run the handler on *payload*; answer with *token*
-Serve = action_type(__name__, "Serve", "token", "payload")
-#: something was dropped (the driver logs it)
-Dropped = action_type(__name__, "Dropped", "channel", "reason")
-#: a request was dropped: as many as allowed are in hand
-Overloaded = action_type(__name__, "Overloaded", "channel", "reason")
-#: call ``handleWake`` at *when* (None: no timer needed)
-WakeAt = action_type(__name__, "WakeAt", "when")
+_action = functools.partial(action_type, __name__)
+SendOn = _action("SendOn", "channel", "body")
+Forward = _action("Forward", "body")  # a device: send *body* upstream
+Complete = _action("Complete", "requestId", "payload")  # request *requestId* has its reply
+Serve = _action("Serve", "token", "payload")  # run the handler on *payload*; answer with *token*
+Dropped = _action("Dropped", "channel", "reason")  # something was dropped (the driver logs it)
+Overloaded = _action("Overloaded", "channel", "reason")  # a request dropped: as many as allowed are in hand
+WakeAt = _action("WakeAt", "when")  # call ``handleWake`` at *when* (None: no timer needed)
 
 
 @attrs.define(eq=False)
 class _Request:
     requestId: int
     body: bytes
-    #: resends due together go in this order
-    serial: int
+    serial: int  # resends due together go in this order
     channel: Optional[Channel] = None
     resendAt: float = 0.0
 
@@ -60,10 +54,9 @@ class ReqMachine(Machine):
         self.ids = id_sequence(firstId)
         self.channels: list[Channel] = []
         self._turn = 0
+        #: every request out, oldest first (those waiting for a channel have none)
         self.requests: dict[int, _Request] = {}
-        #: requests waiting for a channel, and those on one, each in the order they went
-        self._held: OrderedDict[int, _Request] = OrderedDict()
-        self._sent: OrderedDict[int, _Request] = OrderedDict()
+        self._sent: OrderedDict[int, _Request] = OrderedDict()  # those on a channel, by deadline
         self.wakeAt: Optional[float] = None
         self._serials = itertools.count()
 
@@ -80,8 +73,7 @@ class ReqMachine(Machine):
         self.now = now
         if channel not in self.channels:
             self.channels.append(channel)
-        while self._held:
-            _, request = self._held.popitem(last=False)
+        for request in [r for r in self.requests.values() if r.channel is None]:
             self._send(request)
         self._rearm()
         return self._drain()
@@ -91,10 +83,8 @@ class ReqMachine(Machine):
         self.now = now
         if channel in self.channels:
             index = self.channels.index(channel)
-            del self.channels[index]
-            if index < self._turn:
-                self._turn -= 1
-            self._turn %= max(len(self.channels), 1)
+            del self.channels[index]  # (the turn stays with the channel that was next)
+            self._turn = (self._turn - (index < self._turn)) % max(len(self.channels), 1)
         for request in list(self.requests.values()):
             if request.channel == channel:
                 request.channel = None
@@ -124,7 +114,6 @@ class ReqMachine(Machine):
     def _forget(self, requestId: int) -> bool:
         if self.requests.pop(requestId, None) is None:
             return False
-        self._held.pop(requestId, None)
         self._sent.pop(requestId, None)
         return True
 
@@ -142,7 +131,6 @@ class ReqMachine(Machine):
         self._sent.pop(request.requestId, None)
         if not self.channels:
             request.channel = None
-            self._held[request.requestId] = request
             return
         channel = self.channels[self._turn % len(self.channels)]
         self._turn = (self._turn + 1) % len(self.channels)
@@ -187,14 +175,10 @@ class _ChannelMachine(Machine):
         return []
 
     def _idOf(self, channel: Channel) -> int:
-        if channel in self.byChannel:
-            return self.byChannel[channel]
-        number = next(self.channelIds)
-        while number in self.byId:
-            number = next(self.channelIds)
-        self.byChannel[channel] = number
-        self.byId[number] = channel
-        return number
+        if channel not in self.byChannel:
+            number = next(n for n in self.channelIds if n not in self.byId)
+            self.byChannel[channel], self.byId[number] = number, channel
+        return self.byChannel[channel]
 
 
 class RepMachine(_ChannelMachine):

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import secrets
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -27,8 +26,7 @@ from mdp.transport.stream import StreamDealer, StreamRouter
 log = Logger()
 
 
-#: a random 31-bit id
-random_id = functools.partial(secrets.randbits, 31)
+random_id = functools.partial(secrets.randbits, 31)  # a random 31-bit id
 
 
 @implementer(IDealerReceiver)
@@ -203,8 +201,7 @@ class SPServer(_Side):
         self.handler = handler
         self.machine = machines.RepMachine(random_id(), now=self._now(), **options)
         self.served = 0
-        #: requests dropped at maxPending or maxPendingBytes
-        self.overloaded = 0
+        self.overloaded = 0  # requests dropped at maxPending or maxPendingBytes
 
     def listen(self, endpoint: str) -> defer.Deferred[StreamRouter]:
         """Listen on *endpoint*; fires with the router (its ``endpoint`` reaches it)."""
@@ -226,10 +223,6 @@ class SPServer(_Side):
                                   peer=peer_label(*action.channel), reason=action.reason)
 
     def _serve(self, token: Any, payload: bytes) -> None:
-        def run() -> Any:
-            result = self.handler(payload)
-            return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
-
         def done(reply: Any) -> None:
             try:
                 reply = None if reply is None else as_frame(reply, "the SP handler's reply")
@@ -244,7 +237,7 @@ class SPServer(_Side):
                 log.failure("SP handler failed; no reply", failure)
             self._perform(self.machine.handleReply(token, None, self._now()))
 
-        defer.maybeDeferred(run).addCallbacks(done, failed)
+        defer.maybeDeferred(self.handler, payload).addCallbacks(done, failed)  # (a coroutine too)
 
 
 def peer_label(owner: Any, peer: bytes) -> str:
