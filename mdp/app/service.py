@@ -215,18 +215,6 @@ class ServerService(_FailableService):
         return self.server.close()
 
 
-class FreelanceServerService(ServerService):
-    """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
-
-    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None, *,
-                 exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
-        from mdp.freelance import FreelanceServer
-
-        transport.check(endpoint, transport.LISTEN)
-        super().__init__(endpoint, FreelanceServer(handler, reactor, **serverOptions),
-                         exitOnFailure=exitOnFailure, what="Freelance server")
-
-
 class SPDeviceService(ServerService):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* (``endpoint``) to *back*, made when the
     service starts (it dials *back* at once); the device is ``server``."""

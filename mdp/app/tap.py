@@ -567,10 +567,11 @@ class FreelanceServerOptions(_ServiceOptions):
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
 
     def newService(self, metrics: Any) -> Any:
-        return service.FreelanceServerService(
-            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
-            metrics=metrics,
-            **keywords(self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
+        from mdp.freelance import FreelanceServer
+
+        server = FreelanceServer(self.loadedHandler(), limits=limits_of(self), metrics=metrics, **keywords(
+            self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
+        return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="Freelance server")
 
 
 def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
