@@ -22,19 +22,8 @@ _MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, Recur
 _CLEAR = "\x1b[H\x1b[2J"
 
 
-class UndescribedReply(ValueError):
-    """An ``mmi.services`` or ``mmi.workers`` reply that is not the expected JSON."""
-
-    def __init__(self, query: str, reply: list[bytes]) -> None:
-        self.query = query
-        text, size = repr(reply), sum(len(frame) for frame in reply)
-        if len(text) > EXCERPT:
-            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
-        super().__init__(f"{query} answered {text}")
-
-
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
-    """The two tables of ``mdp status``; raises :class:`UndescribedReply`."""
+    """The two tables of ``mdp status``; a ValueError if a reply is not the expected JSON."""
     return (_table(services, "mmi.services", ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"],
                    (1, 2, 3, 4), _service_rows)
             + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"],
@@ -52,7 +41,10 @@ def _table(reply: list[bytes], query: str, headings: list[str], right: tuple[int
         if extra.get("truncated"):
             lines.append(f"(the first {len(listed)} of {extra['total']} {what})")
     except _MALFORMED:
-        raise UndescribedReply(query, reply) from None
+        text, size = repr(reply), sum(len(frame) for frame in reply)
+        if len(text) > EXCERPT:
+            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
+        raise ValueError(f"{query} answered {text}") from None
     return lines
 
 
@@ -101,7 +93,7 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
         return None
     try:
         tables = status_lines(services, workers)
-    except UndescribedReply as e:
+    except ValueError as e:
         error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
         raise SystemExit(1) from None
     return [f"broker {client.endpoint}", ""] + tables

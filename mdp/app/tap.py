@@ -1,4 +1,4 @@
-"""Options and service makers of the ``twist`` plugins (mdp-broker, mdp-worker, ...)."""
+"""Options of the ``twist`` plugins (mdp-broker, mdp-worker, ...); each makes its plugin's service."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import attrs
-from twisted.application.service import IServiceMaker, MultiService
+from twisted.application.service import MultiService
 from twisted.logger import LogLevel
-from twisted.plugin import IPlugin
 from twisted.python import usage
-from zope.interface import implementer
 
 from mdp import binarystar, policy, transport, uvreactor
 from mdp.app import service
@@ -28,7 +26,6 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
 from mdp.transport.registry import bare_address
-from twisted.plugins import mdp_plugins as dropin
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -386,8 +383,6 @@ class _ServiceOptions(VersionedOptions):
     optParameters: list[Any] = _limit_options(listening=False)
     #: the :mod:`mdp.metrics` class that --metrics counts with
     metrics = ""
-    #: the role accepts connections: the plugin raises the open file limit
-    listens = True
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners (option: endpoint)."""
@@ -395,6 +390,21 @@ class _ServiceOptions(VersionedOptions):
     def newService(self, metrics: Any) -> Any:
         """The service these options ask for, counting with *metrics* (None: no --metrics)."""
         raise NotImplementedError
+
+    def makeService(self) -> Any:
+        """The plugin's service: a listening role (all but a broker's client) raises the open file
+        limit first; --metrics adds a metrics server beside it."""
+        if not isinstance(self, BrokerListOptions):
+            raise_descriptor_limit()
+        if not self.get("metrics"):
+            return self.newService(None)
+        import mdp.metrics
+
+        metrics = getattr(mdp.metrics, self.metrics)()
+        parent = MultiService()
+        self.newService(metrics).setServiceParent(parent)
+        service.MetricsService(self["metrics"], metrics.registry, exitOnFailure=True).setServiceParent(parent)
+        return parent
 
     def postOptions(self) -> None:
         # ours unless twist installed --reactor's; before a check or handler imports one
@@ -482,7 +492,13 @@ class BrokerOptions(_HeartbeatOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {name: checked_endpoint(self[name], transport.LISTEN, name)
                      for name in ("endpoint", "backend")}
-        self.accessPolicy()
+        self["access-policy"] = None
+        if self["access"] is not None:
+            try:
+                with usage_errors("access", (ValueError,)):
+                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
+            except OSError as e:
+                raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
         given = [self[name] is not None for name in ("bstar", "bstar-local", "bstar-remote")]
         if any(given) and not all(given):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
@@ -501,18 +517,8 @@ class BrokerOptions(_HeartbeatOptions):
         return service.BrokerService(
             self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
             logRequests=debug, heartbeat=self.heartbeatPolicy(),
-            limits=limits_of(self), access=self.accessPolicy(), exitOnFailure=True,
+            limits=limits_of(self), access=self["access-policy"], exitOnFailure=True,
             **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
-
-    def accessPolicy(self) -> Any:
-        """The --access policy file, loaded once (None without one)."""
-        if self["access"] is not None and "access-policy" not in self:
-            try:
-                with usage_errors("access", (ValueError,)):
-                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
-            except OSError as e:
-                raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
-        return self.get("access-policy")
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
@@ -533,7 +539,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
                 whole_option, 1),
     ] + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
-    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
@@ -658,7 +663,6 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY, "Seconds between two mmi.services "
                 "listings: how soon a service that appears is served.", seconds_option, MIN_INTERVAL),
     ]
-    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         BrokerListOptions.postOptions(self)
@@ -673,41 +677,3 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
             **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes", "max-request-bytes",
                        "list-every"), **curve_client_of(self))
-
-
-class _Plugin:
-    """A ``twist`` plugin: a listening role raises the open file limit first; --metrics adds a
-    metrics server beside the service."""
-
-    tapname: str
-    description: str
-    options: type[_ServiceOptions]
-
-    def makeService(self, options: Any) -> Any:
-        if options.listens:
-            raise_descriptor_limit()
-        if not options.get("metrics"):
-            return options.newService(None)
-        import mdp.metrics
-
-        metrics = getattr(mdp.metrics, options.metrics)()
-        parent = MultiService()
-        options.newService(metrics).setServiceParent(parent)
-        service.MetricsService(options["metrics"], metrics.registry,
-                               exitOnFailure=True).setServiceParent(parent)
-        return parent
-
-
-def _plugin(entry: Any, options: type[_ServiceOptions]) -> type[_Plugin]:
-    """The ``twist`` plugin of the dropin's *entry* (name, description), running *options*' service."""
-    name = options.__name__.replace("Options", "ServiceMaker")
-    attributes = {"tapname": entry.tapname, "description": entry.description, "options": options}
-    return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
-
-
-BrokerServiceMaker = _plugin(dropin.mdpBroker, BrokerOptions)
-WorkerServiceMaker = _plugin(dropin.mdpWorker, WorkerOptions)
-FreelanceServerServiceMaker = _plugin(dropin.mdpFreelanceServer, FreelanceServerOptions)
-SPRepServiceMaker = _plugin(dropin.spRep, SPRepOptions)
-SPDeviceServiceMaker = _plugin(dropin.spDevice, SPDeviceOptions)
-TitanicServiceMaker = _plugin(dropin.mdpTitanic, TitanicOptions)
