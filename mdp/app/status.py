@@ -83,9 +83,10 @@ async def status(reactor: Any, options: Any) -> None:
 async def _report(client: Any, options: Any) -> Optional[list[str]]:
     """The lines of one report, or None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
+    if idle is not None and len(options["brokers"]) == 1:  # the tables would go unanswered
+        error(f"mdp status: {idle}")
+        return None
     try:
-        if idle is not None and len(options["brokers"]) == 1:
-            raise _NotServing(idle)  # the tables would go unanswered
         services = await client.request("mmi.services")
         workers = await client.request("mmi.workers")
     except MDPError as e:
@@ -101,15 +102,9 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
 
 def _failure(e: MDPError, idle: Optional[str], brokers: list[str]) -> str:
     """Why the tables did not come, naming the brokers asked."""
-    if isinstance(e, _NotServing):
-        return str(e)
     if isinstance(e, (RequestTimeout, BrokerUnreachable)):  # they name the brokers
         return f"{e}; {idle}" if idle is not None else str(e)
     return f"broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}"
-
-
-class _NotServing(MDPError):
-    """The broker is one of a Binary Star pair that serves nothing now."""
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:

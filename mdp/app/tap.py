@@ -147,13 +147,12 @@ class VersionedOptions(usage.Options):
             self[name] = []
 
     def _chain(self) -> tuple[Optional[str], list[str]]:
-        """The root parser's programName (None under twist), and the sub-commands to this one."""
-        words = []
-        node: usage.Options = self
-        while node.parent is not None:
-            words.insert(0, node.parent.subCommand)
-            node = node.parent
-        return getattr(node, "programName", None), words
+        """The root parser's programName (None under twist, whose parser is not ours), and the
+        sub-commands to this one."""
+        if self.parent is None:
+            return getattr(self, "programName", None), []
+        program, words = VersionedOptions._chain(self.parent)  # type: ignore[arg-type]
+        return program, [*words, self.parent.subCommand]
 
     def commandName(self) -> str:
         """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
@@ -413,6 +412,7 @@ class _ServiceOptions(VersionedOptions):
             self.heartbeatPolicy()
         limits_of(self)
         listeners = self.checkRole()
+        super().postOptions()  # a broker's client: its --broker endpoints
         if self.get("metrics") is not None:
             checked_metrics(self["metrics"])
         if "curve-allow" in self:
@@ -547,7 +547,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
         with usage_errors("service"):
             api_service_name(self["service"])
-        BrokerListOptions.postOptions(self)
 
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
@@ -665,7 +664,6 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     ]
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
-        BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
 
