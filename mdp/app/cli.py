@@ -582,16 +582,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
                "sp-request": sp_request, "chat": chat, "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
-    async def guarded(reactor: Any) -> None:
-        try:
-            await command(reactor, options.subOptions)
-        except MDPError as e:  # a failure the command does not explain further
-            error(f"mdp {options.subCommand}: {e}")
-            raise SystemExit(1) from None
-        except BrokenPipeError:  # written to outside _emit
-            terminal.divert_output()
-
-    def run(reactor: Any) -> defer.Deferred[None]:
+    async def run(reactor: Any) -> None:
         def stop() -> None:
             with contextlib.suppress(ReactorNotRunning):  # a second Ctrl-C, or the command ended
                 reactor.stop()
@@ -602,7 +593,13 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
         # from now on, as the command's first steps run before the reactor does
         catch_interrupt(onInterrupt)
-        return defer.ensureDeferred(guarded(reactor))
+        try:
+            await command(reactor, options.subOptions)
+        except MDPError as e:  # a failure the command does not explain further
+            error(f"mdp {options.subCommand}: {e}")
+            raise SystemExit(1) from None
+        except BrokenPipeError:  # written to outside emit
+            terminal.divert_output()
 
     try:
         uvreactor.react(run)
