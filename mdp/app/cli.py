@@ -225,8 +225,7 @@ class ChatOptions(tap.VersionedOptions):
             check_string(self["group"], "group")
         for endpoint in self["peer"]:
             _check_peer(endpoint)
-        if self["endpoint"] is not None:
-            tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")  # None: chosen later
         with tap.usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface

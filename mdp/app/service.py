@@ -219,15 +219,13 @@ class SPDeviceService(ServerService):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* (``endpoint``) to *back*, made when the
     service starts (it dials *back* at once); the device is ``server``."""
 
-    what = "SP device"
-
     def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
         from mdp.sp.codec import endpoint_of
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
-        self.endpoint, self.server = front, None
+        self.endpoint, self.server, self.what = front, None, "SP device"
         self.back, self.deviceOptions = back, deviceOptions
 
     def _start(self) -> defer.Deferred[Any]:

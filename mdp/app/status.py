@@ -89,8 +89,12 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
     try:
         services = await client.request("mmi.services")
         workers = await client.request("mmi.workers")
+    except (RequestTimeout, BrokerUnreachable) as e:  # they name the brokers
+        error(f"mdp status: {e}" + (f"; {idle}" if idle is not None else ""))
+        return None
     except MDPError as e:
-        error(f"mdp status: {_failure(e, idle, options['brokers'])}")
+        brokers = options["brokers"]
+        error(f"mdp status: broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}")
         return None
     try:
         tables = status_lines(services, workers)
@@ -98,13 +102,6 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
         error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
         raise SystemExit(1) from None
     return [f"broker {client.endpoint}", ""] + tables
-
-
-def _failure(e: MDPError, idle: Optional[str], brokers: list[str]) -> str:
-    """Why the tables did not come, naming the brokers asked."""
-    if isinstance(e, (RequestTimeout, BrokerUnreachable)):  # they name the brokers
-        return f"{e}; {idle}" if idle is not None else str(e)
-    return f"broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}"
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:
@@ -118,17 +115,13 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
     except (MDPError, *_MALFORMED):  # not in a pair (501), no answer, not JSON
         return None
     pair = f"broker {client.endpoint} is the {{}} of a Binary Star pair"
-    if state.get("state") == "passive":
-        return _passive(pair.format("passive broker") + ": it answers no requests", state)
     if state.get("state") == "backup":
         return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until then; "
                 "ask the primary (and check that this broker's --bstar-remote is the primary's "
                 "--bstar-local)")
-    return None
-
-
-def _passive(passive: str, state: dict[str, Any]) -> str:
-    """What a passive broker's *state* means for a client."""
+    if state.get("state") != "passive":
+        return None
+    passive = pair.format("passive broker") + ": it answers no requests"
     peer, silence, failover = state.get("peer"), state.get("peerSilence"), state.get("failoverTimeout")
     if all(isinstance(n, (int, float)) for n in (silence, failover)) and silence > failover:
         return (f"{passive}, and its peer has been silent for {silence:g} s: the next client request "

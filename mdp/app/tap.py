@@ -417,8 +417,12 @@ class _ServiceOptions(VersionedOptions):
             checked_metrics(self["metrics"])
         if "curve-allow" in self:
             checked_curve_server(self, listeners or {})
-        if "handler" in self:
-            self.loadedHandler()
+        if "handler" in self:  # loaded now: a failure is one line on stderr and exit status 2
+            try:
+                self["handler-callable"] = self.loadHandler(self["handler"])
+            except MDPError as e:
+                print(f"{self.commandName()}: --handler: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
 
     def heartbeatPolicy(self) -> policy.HeartbeatPolicy:
         """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
@@ -426,16 +430,6 @@ class _ServiceOptions(VersionedOptions):
             return policy.HeartbeatPolicy(self["heartbeat"], self["liveness"])
 
     loadHandler = staticmethod(load_handler)
-
-    def loadedHandler(self) -> Any:
-        """--handler, loaded once; a failure is one line on stderr and exit status 2."""
-        if "handler-callable" not in self:
-            try:
-                self["handler-callable"] = self.loadHandler(self["handler"])
-            except MDPError as e:
-                print(f"{self.commandName()}: --handler: {e}", file=sys.stderr)
-                raise SystemExit(2) from None
-        return self["handler-callable"]
 
 
 class _HeartbeatOptions(_ServiceOptions):
@@ -550,7 +544,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
 
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
-            self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
+            self["brokers"], self["service"], self["handler-callable"], heartbeat=self.heartbeatPolicy(),
             backoff=attrs.evolve(policy.PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
             replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
             limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
@@ -573,13 +567,14 @@ class FreelanceServerOptions(_ServiceOptions):
     def newService(self, metrics: Any) -> Any:
         from mdp.freelance import FreelanceServer
 
-        server = FreelanceServer(self.loadedHandler(), limits=limits_of(self), metrics=metrics, **keywords(
-            self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
+        server = FreelanceServer(self["handler-callable"], limits=limits_of(self), metrics=metrics,
+                                 **keywords(self, "max-pending", "max-pending-bytes", "curve-secret",
+                                            "curve-allow"))
         return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="Freelance server")
 
 
-def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
-    """*value*, checked as an SP endpoint (nng URL or ours) to listen on or connect to."""
+def checked_sp_endpoint(value: str, listen: bool, option: str) -> None:
+    """Check *value* as an SP endpoint (nng URL or ours) to listen on or connect to."""
     from mdp.sp.codec import endpoint_of
 
     if not value.strip():
@@ -588,7 +583,6 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
         raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean tcp://{value}?")
     with usage_errors(option):
         transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
-    return value
 
 
 class SPRepOptions(_ServiceOptions):
@@ -605,7 +599,7 @@ class SPRepOptions(_ServiceOptions):
     def newService(self, metrics: Any) -> Any:
         from mdp.sp.peers import SPServer
 
-        server = SPServer(self.loadedHandler(), limits=limits_of(self),
+        server = SPServer(self["handler-callable"], limits=limits_of(self),
                           **keywords(self, "max-pending", "max-pending-bytes"))
         return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="SP REP server")
 
