@@ -119,14 +119,11 @@ def program_name() -> str:
 #: the exit status of a usage mistake, for ``mdp`` and the ``twist`` plugins alike
 EXIT_USAGE = 2
 
-_COERCE_FAILED = "Parameter type enforcement failed: "
-
 
 def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
     """A usage mistake in one line: the command, what is wrong, where the help is."""
-    command, text = options.commandName(), str(error)
-    if text.startswith(_COERCE_FAILED + "--"):
-        text = text[len(_COERCE_FAILED):]
+    command = options.commandName()
+    text = re.sub(r"^Parameter type enforcement failed: (?=--)", "", str(error))  # a coercer names its option
     return f"{command}: {text} (see {command} --help)"
 
 
