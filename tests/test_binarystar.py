@@ -448,7 +448,7 @@ async def test_mmi_binarystar_without_a_pair_is_not_implemented(clocknet: Loopba
 def test_twist_broker_bstar_options() -> None:
     from twisted.python import usage
 
-    from mdp.app.tap import BrokerOptions, BrokerServiceMaker
+    from mdp.app.tap import BrokerOptions
 
     def parse(*args: str) -> BrokerOptions:
         options = BrokerOptions()
@@ -465,13 +465,12 @@ def test_twist_broker_bstar_options() -> None:
     with pytest.raises(usage.UsageError, match="--bstar-remote: bad endpoint"):
         parse("--bstar", "backup", "--bstar-local", "zmq:tcp://127.0.0.1:5003",
               "--bstar-remote", "tcp://127.0.0.1:5004")
-    service = BrokerServiceMaker().makeService(parse("--bstar", "backup", "--bstar-heartbeat",
-                                                     "0.5", *pair))
+    service = parse("--bstar", "backup", "--bstar-heartbeat", "0.5", *pair).makeService()
     star = service.binaryStar
     assert star.role is Role.BACKUP and star.machine.heartbeat == 0.5
     assert (star.local, star.remote) == ("zmq:tcp://127.0.0.1:5003", "zmq:tcp://127.0.0.1:5004")
     assert service.broker.admission is star
-    assert BrokerServiceMaker().makeService(parse()).binaryStar is None
+    assert parse().makeService().binaryStar is None
 
 
 @pytest.mark.parametrize("args, brokers", [

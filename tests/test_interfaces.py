@@ -263,15 +263,6 @@ def _session_server() -> Any:
     return SessionServer(lambda routingId, frames: None, _clock())
 
 
-def _maker(name: str) -> Callable[[], Any]:
-    def make() -> Any:
-        from mdp.app import tap
-
-        return getattr(tap, name)()
-
-    return make
-
-
 def _bare(path: str, *args: Any) -> Callable[[], Any]:
     def make() -> Any:
         module, _, name = path.rpartition(".")
@@ -324,12 +315,6 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.session.peers.SessionServer": _session_server,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
-    "mdp.app.tap.BrokerServiceMaker": _maker("BrokerServiceMaker"),
-    "mdp.app.tap.WorkerServiceMaker": _maker("WorkerServiceMaker"),
-    "mdp.app.tap.FreelanceServerServiceMaker": _maker("FreelanceServerServiceMaker"),
-    "mdp.app.tap.TitanicServiceMaker": _maker("TitanicServiceMaker"),
-    "mdp.app.tap.SPRepServiceMaker": _maker("SPRepServiceMaker"),
-    "mdp.app.tap.SPDeviceServiceMaker": _maker("SPDeviceServiceMaker"),
 }
 
 

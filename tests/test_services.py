@@ -9,7 +9,7 @@ import pytest
 import pytest_twisted
 
 from mdp import BrokerService, WorkerService
-from mdp.app.service import FreelanceServerService
+from mdp.app.service import ServerService
 from tests.conftest import Net, raw_router
 from tests.test_mdp_behaviour import echo, make_client
 
@@ -68,9 +68,9 @@ async def test_worker_service_registers_and_says_goodbye(net: Net) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_freelance_server_service_releases_its_endpoint(net: Net) -> None:
-    from mdp.freelance import SequentialClient
+    from mdp.freelance import FreelanceServer, SequentialClient
 
-    service = FreelanceServerService(net.bindEndpoint(), echo, reactor=net.reactor)
+    service = ServerService(net.bindEndpoint(), FreelanceServer(echo, net.reactor))
     bound: Any = await net.wait(service.startService())
     client = SequentialClient([bound.endpoint], net.reactor, timeout=5, deadline=10)
     net.addCleanup(client.close)
@@ -78,7 +78,7 @@ async def test_freelance_server_service_releases_its_endpoint(net: Net) -> None:
     await net.wait(service.stopService())
     assert service.server.transports == []
     if net.kind != "loopback":
-        again = FreelanceServerService(bound.endpoint, echo, reactor=net.reactor)
+        again = ServerService(bound.endpoint, FreelanceServer(echo, net.reactor))
         rebound: Any = await net.wait(again.startService())
         net.addCleanup(again.stopService)
         assert rebound.endpoint == bound.endpoint

@@ -359,11 +359,11 @@ async def test_our_req_through_an_nng_device_to_our_rep() -> None:
 def test_twist_sp_rep_bounds_reach_the_server_and_are_checked() -> None:
     from twisted.python import usage
 
-    from mdp.app.tap import SPRepOptions, SPRepServiceMaker
+    from mdp.app.tap import SPRepOptions
 
     options = SPRepOptions()
     options.parseOptions(["--max-pending", "3", "--max-pending-bytes", "1KiB"])
-    machine = SPRepServiceMaker().makeService(options).server.machine
+    machine = options.makeService().server.machine
     assert (machine.maxPending, machine.maxPendingBytes) == (3, 1024)
     with pytest.raises(usage.UsageError, match="--max-pending must be at least 1"):
         SPRepOptions().parseOptions(["--max-pending", "0"])

@@ -17,13 +17,11 @@ from twisted.python import usage
 from mdp.app import tap
 from mdp.app.tap import (
     BrokerOptions,
-    BrokerServiceMaker,
     FreelanceServerOptions,
     SPDeviceOptions,
     SPRepOptions,
     TitanicOptions,
     WorkerOptions,
-    WorkerServiceMaker,
 )
 from mdp.policy import HeartbeatPolicy, Limits
 from tests.procs import ENV, Process, reactor, script
@@ -169,13 +167,11 @@ def test_the_help_says_the_bounds() -> None:
 
 
 def test_services_are_made_from_the_bounds() -> None:
-    broker = BrokerServiceMaker().makeService(parse(
-        BrokerOptions, "--heartbeat", "0.01", "--liveness", "1", "--max-deliveries", "1",
-        "--unknown-service-expiry", "0.001", "--handshake-timeout", "0.001"))
+    broker = parse(BrokerOptions, "--heartbeat", "0.01", "--liveness", "1", "--max-deliveries", "1",
+                   "--unknown-service-expiry", "0.001", "--handshake-timeout", "0.001").makeService()
     assert broker.broker.heartbeat == HeartbeatPolicy(0.01, 1)
-    worker = WorkerServiceMaker().makeService(parse(
-        WorkerOptions, "--reply-store", "1", "--backoff-max", "0.01", "--heartbeat", "0.01",
-        "--concurrency", "8"))
+    worker = parse(WorkerOptions, "--reply-store", "1", "--backoff-max", "0.01", "--heartbeat", "0.01",
+                   "--concurrency", "8").makeService()
     assert worker.worker.concurrency == 8 and len(worker.worker.sessions) == 8
     titanic = TitanicOptions()
     titanic.parseOptions(["--db", ":memory:", "--max-store-bytes", "1MiB",
@@ -323,10 +319,11 @@ def test_curve_keys_and_endpoints_that_cannot_use_them_are_usage_errors(tmp_path
           "tcp:port=5556:interface=127.0.0.1", *server)
 
 
-def test_the_plugin_dropin_lists_the_makers_and_imports_them_on_use() -> None:
+def test_the_plugin_dropin_lists_the_plugins_and_imports_their_options_on_use() -> None:
     """``twist`` imports every dropin inside ``getPlugins``, which logs and
     goes on past what an import raises (Ctrl-C too): ours imports no part of
-    the package; each entry says what its maker says, and hands on to it."""
+    the package; each entry's options are a parser of :mod:`mdp.app.tap`,
+    and parsed, they make the entry's service."""
     import subprocess
 
     from twisted.application.service import IServiceMaker
@@ -340,18 +337,14 @@ def test_the_plugin_dropin_lists_the_makers_and_imports_them_on_use() -> None:
     assert imported.stdout.strip() == "[]"
     from twisted.plugins import mdp_plugins
 
-    entries = [v for v in vars(mdp_plugins).values() if isinstance(v, mdp_plugins._Maker)]
-    makers = [cls() for name, cls in vars(tap).items()
-              if name.endswith("ServiceMaker") and isinstance(cls, type)]
-    assert sorted(e.tapname for e in entries) == sorted(m.tapname for m in makers)
-    for entry in entries:
-        real = next(m for m in makers if m.tapname == entry.tapname)
+    entries = {v.options: v for v in vars(mdp_plugins).values() if isinstance(v, mdp_plugins._Maker)}
+    assert set(entries) == set(REQUIRED)
+    for entry in entries.values():
         assert IServiceMaker.providedBy(entry) and IPlugin.providedBy(entry)
-        assert (entry.description, entry.options) == (real.description, real.options)
-    broker = next(e for e in entries if e.tapname == "mdp-broker")
+    broker = entries[BrokerOptions]
     options = broker.options()
     options.parseOptions(["--endpoint", "loopback:dropin"])
-    assert broker.makeService(options) is not None
+    assert broker.makeService(options).endpoint == "loopback:dropin"
 
 
 @pytest.mark.parametrize("argv, message", [

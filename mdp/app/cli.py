@@ -12,7 +12,6 @@ import sys
 import uuid
 from typing import Any, Optional, Sequence
 
-import attrs
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
@@ -226,8 +225,7 @@ class ChatOptions(tap.VersionedOptions):
             check_string(self["group"], "group")
         for endpoint in self["peer"]:
             _check_peer(endpoint)
-        if self["endpoint"] is not None:
-            tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")
+        tap.checked_endpoints(self["endpoint"], transport.LISTEN, "endpoint")  # None: chosen later
         with tap.usage_errors(errors=(MDPError,)):
             if self["peer"]:
                 from mdp.transport.datagram import pick_interface
@@ -406,62 +404,46 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
 
 
 async def _wait_for_reply(reactor: Any, client: Any, options: TitanicResultOptions) -> list[bytes]:
-    """Poll Titanic until the reply is there (``--wait``), saying on stderr what it waits for."""
-    brokers = options["brokers"]
-    waiting = _Waiting(options["id"], f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}")
+    """Poll Titanic until the reply is there (``--wait``), saying on stderr what it waits for: each
+    reason once while it holds; a poll slower than --timeout once, not as a new reason."""
+    brokers, every = options["brokers"], options["poll"]
+    where = f"the broker{'s' * (len(brokers) > 1)} at {', '.join(brokers)}"
+    said = {"reason": "", "slow": False}
+
+    def note(why: str) -> None:
+        error(f"mdp titanic result: waiting for request {options['id']}: {why}")
+
+    def say(reason: str, why: str) -> None:
+        if said["reason"] != reason:
+            said.update(reason=reason, slow=said["slow"] and reason == "pending")
+            note(why)
+
+    def slowPoll() -> None:
+        if said["reason"] in ("", "pending") and not said["slow"]:
+            said["slow"] = True
+            note(f"no answer yet from Titanic through {where}, still trying")
+
     while True:
-        slow = reactor.callLater(options["timeout"], waiting.slowPoll)
+        slow = reactor.callLater(options["timeout"], slowPoll)
         try:
-            reply = await waiting.poll(client, options["poll"])
+            reply = await client.poll(options["id"])
+        except ServiceUnavailable as e:
+            say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
+                               f"Still trying, every {every:g} s")
+        except ServiceOverloaded as e:
+            say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
+        except RequestTimeout:
+            say("silent", f"no reply from {where} yet, still trying")
+        except TRANSIENT as e:
+            say("transport", f"{e}; still trying")
+        else:
+            if reply is not None:
+                return reply
+            say("pending", f"it is pending (no reply yet); asking every {every:g} s")
         finally:
             if slow.active():
                 slow.cancel()
-        if reply is not None:
-            return reply
-        await task.deferLater(reactor, options["poll"])
-
-
-@attrs.define
-class _Waiting:
-    """``mdp titanic result --wait``: each reason it waits is said once while it holds."""
-
-    requestId: str
-    where: str
-    reason: str = ""
-    slow: bool = False
-
-    async def poll(self, client: Any, every: float) -> Optional[list[bytes]]:
-        """One poll: the reply, or None once the reason is said."""
-        try:
-            reply = await client.poll(self.requestId)
-        except ServiceUnavailable as e:
-            self.say("unavailable", f"Titanic is not answering ({e}); is twist mdp-titanic running? "
-                                    f"Still trying, every {every:g} s")
-        except ServiceOverloaded as e:
-            self.say("overloaded", f"Titanic is too busy to answer ({e}); still trying")
-        except RequestTimeout:
-            self.say("silent", f"no reply from {self.where} yet, still trying")
-        except TRANSIENT as e:
-            self.say("transport", f"{e}; still trying")
-        else:
-            if reply is None:
-                self.say("pending", f"it is pending (no reply yet); asking every {every:g} s")
-            return reply
-        return None
-
-    def note(self, why: str) -> None:
-        error(f"mdp titanic result: waiting for request {self.requestId}: {why}")
-
-    def say(self, kind: str, why: str) -> None:
-        if self.reason != kind:
-            self.reason, self.slow = kind, self.slow and kind == "pending"
-            self.note(why)
-
-    def slowPoll(self) -> None:
-        """A poll slower than --timeout: said once, not a new reason."""
-        if self.reason in ("", "pending") and not self.slow:
-            self.slow = True
-            self.note(f"no answer yet from Titanic through {self.where}, still trying")
+        await task.deferLater(reactor, every)
 
 
 async def _missing_titanic(client: Any, command: str, timeout: float) -> str:
@@ -599,16 +581,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
                "sp-request": sp_request, "chat": chat, "demo": demo}[options.subCommand]
     interrupted: list[int] = []
 
-    async def guarded(reactor: Any) -> None:
-        try:
-            await command(reactor, options.subOptions)
-        except MDPError as e:  # a failure the command does not explain further
-            error(f"mdp {options.subCommand}: {e}")
-            raise SystemExit(1) from None
-        except BrokenPipeError:  # written to outside _emit
-            terminal.divert_output()
-
-    def run(reactor: Any) -> defer.Deferred[None]:
+    async def run(reactor: Any) -> None:
         def stop() -> None:
             with contextlib.suppress(ReactorNotRunning):  # a second Ctrl-C, or the command ended
                 reactor.stop()
@@ -619,7 +592,13 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
         # from now on, as the command's first steps run before the reactor does
         catch_interrupt(onInterrupt)
-        return defer.ensureDeferred(guarded(reactor))
+        try:
+            await command(reactor, options.subOptions)
+        except MDPError as e:  # a failure the command does not explain further
+            error(f"mdp {options.subCommand}: {e}")
+            raise SystemExit(1) from None
+        except BrokenPipeError:  # written to outside emit
+            terminal.divert_output()
 
     try:
         uvreactor.react(run)

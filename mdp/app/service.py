@@ -215,23 +215,9 @@ class ServerService(_FailableService):
         return self.server.close()
 
 
-class FreelanceServerService(ServerService):
-    """Runs a :class:`~mdp.freelance.FreelanceServer` bound to *endpoint*."""
-
-    def __init__(self, endpoint: str, handler: Handler, reactor: Optional[Any] = None, *,
-                 exitOnFailure: Optional[bool] = None, **serverOptions: Any) -> None:
-        from mdp.freelance import FreelanceServer
-
-        transport.check(endpoint, transport.LISTEN)
-        super().__init__(endpoint, FreelanceServer(handler, reactor, **serverOptions),
-                         exitOnFailure=exitOnFailure, what="Freelance server")
-
-
 class SPDeviceService(ServerService):
     """Runs an :class:`~mdp.sp.peers.SPDevice` from *front* (``endpoint``) to *back*, made when the
     service starts (it dials *back* at once); the device is ``server``."""
-
-    what = "SP device"
 
     def __init__(self, front: str, back: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  exitOnFailure: Optional[bool] = None, **deviceOptions: Any) -> None:
@@ -239,7 +225,7 @@ class SPDeviceService(ServerService):
 
         transport.check(endpoint_of(front, listen=True), transport.LISTEN)
         _FailableService.__init__(self, default_reactor(reactor), exitOnFailure)
-        self.endpoint, self.server = front, None
+        self.endpoint, self.server, self.what = front, None, "SP device"
         self.back, self.deviceOptions = back, deviceOptions
 
     def _start(self) -> defer.Deferred[Any]:

@@ -22,19 +22,8 @@ _MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, Recur
 _CLEAR = "\x1b[H\x1b[2J"
 
 
-class UndescribedReply(ValueError):
-    """An ``mmi.services`` or ``mmi.workers`` reply that is not the expected JSON."""
-
-    def __init__(self, query: str, reply: list[bytes]) -> None:
-        self.query = query
-        text, size = repr(reply), sum(len(frame) for frame in reply)
-        if len(text) > EXCERPT:
-            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
-        super().__init__(f"{query} answered {text}")
-
-
 def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
-    """The two tables of ``mdp status``; raises :class:`UndescribedReply`."""
+    """The two tables of ``mdp status``; a ValueError if a reply is not the expected JSON."""
     return (_table(services, "mmi.services", ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"],
                    (1, 2, 3, 4), _service_rows)
             + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"],
@@ -52,7 +41,10 @@ def _table(reply: list[bytes], query: str, headings: list[str], right: tuple[int
         if extra.get("truncated"):
             lines.append(f"(the first {len(listed)} of {extra['total']} {what})")
     except _MALFORMED:
-        raise UndescribedReply(query, reply) from None
+        text, size = repr(reply), sum(len(frame) for frame in reply)
+        if len(text) > EXCERPT:
+            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
+        raise ValueError(f"{query} answered {text}") from None
     return lines
 
 
@@ -91,33 +83,25 @@ async def status(reactor: Any, options: Any) -> None:
 async def _report(client: Any, options: Any) -> Optional[list[str]]:
     """The lines of one report, or None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
+    if idle is not None and len(options["brokers"]) == 1:  # the tables would go unanswered
+        error(f"mdp status: {idle}")
+        return None
     try:
-        if idle is not None and len(options["brokers"]) == 1:
-            raise _NotServing(idle)  # the tables would go unanswered
         services = await client.request("mmi.services")
         workers = await client.request("mmi.workers")
+    except (RequestTimeout, BrokerUnreachable) as e:  # they name the brokers
+        error(f"mdp status: {e}" + (f"; {idle}" if idle is not None else ""))
+        return None
     except MDPError as e:
-        error(f"mdp status: {_failure(e, idle, options['brokers'])}")
+        brokers = options["brokers"]
+        error(f"mdp status: broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}")
         return None
     try:
         tables = status_lines(services, workers)
-    except UndescribedReply as e:
+    except ValueError as e:
         error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
         raise SystemExit(1) from None
     return [f"broker {client.endpoint}", ""] + tables
-
-
-def _failure(e: MDPError, idle: Optional[str], brokers: list[str]) -> str:
-    """Why the tables did not come, naming the brokers asked."""
-    if isinstance(e, _NotServing):
-        return str(e)
-    if isinstance(e, (RequestTimeout, BrokerUnreachable)):  # they name the brokers
-        return f"{e}; {idle}" if idle is not None else str(e)
-    return f"broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}"
-
-
-class _NotServing(MDPError):
-    """The broker is one of a Binary Star pair that serves nothing now."""
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:
@@ -131,17 +115,13 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
     except (MDPError, *_MALFORMED):  # not in a pair (501), no answer, not JSON
         return None
     pair = f"broker {client.endpoint} is the {{}} of a Binary Star pair"
-    if state.get("state") == "passive":
-        return _passive(pair.format("passive broker") + ": it answers no requests", state)
     if state.get("state") == "backup":
         return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until then; "
                 "ask the primary (and check that this broker's --bstar-remote is the primary's "
                 "--bstar-local)")
-    return None
-
-
-def _passive(passive: str, state: dict[str, Any]) -> str:
-    """What a passive broker's *state* means for a client."""
+    if state.get("state") != "passive":
+        return None
+    passive = pair.format("passive broker") + ": it answers no requests"
     peer, silence, failover = state.get("peer"), state.get("peerSilence"), state.get("failoverTimeout")
     if all(isinstance(n, (int, float)) for n in (silence, failover)) and silence > failover:
         return (f"{passive}, and its peer has been silent for {silence:g} s: the next client request "

@@ -1,4 +1,4 @@
-"""Options and service makers of the ``twist`` plugins (mdp-broker, mdp-worker, ...)."""
+"""Options of the ``twist`` plugins (mdp-broker, mdp-worker, ...); each makes its plugin's service."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import attrs
-from twisted.application.service import IServiceMaker, MultiService
+from twisted.application.service import MultiService
 from twisted.logger import LogLevel
-from twisted.plugin import IPlugin
 from twisted.python import usage
-from zope.interface import implementer
 
 from mdp import binarystar, policy, transport, uvreactor
 from mdp.app import service
@@ -28,7 +26,6 @@ from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
 from mdp.transport.registry import bare_address
-from twisted.plugins import mdp_plugins as dropin
 
 DEFAULT_ENDPOINT = "zmq:tcp://127.0.0.1:5555"
 #: where ``twist mdp-freelance-server`` binds, and ``mdp freelance-call`` asks
@@ -122,14 +119,11 @@ def program_name() -> str:
 #: the exit status of a usage mistake, for ``mdp`` and the ``twist`` plugins alike
 EXIT_USAGE = 2
 
-_COERCE_FAILED = "Parameter type enforcement failed: "
-
 
 def usage_line(options: VersionedOptions, error: usage.UsageError) -> str:
     """A usage mistake in one line: the command, what is wrong, where the help is."""
-    command, text = options.commandName(), str(error)
-    if text.startswith(_COERCE_FAILED + "--"):
-        text = text[len(_COERCE_FAILED):]
+    command = options.commandName()
+    text = re.sub(r"^Parameter type enforcement failed: (?=--)", "", str(error))  # a coercer names its option
     return f"{command}: {text} (see {command} --help)"
 
 
@@ -150,13 +144,12 @@ class VersionedOptions(usage.Options):
             self[name] = []
 
     def _chain(self) -> tuple[Optional[str], list[str]]:
-        """The root parser's programName (None under twist), and the sub-commands to this one."""
-        words = []
-        node: usage.Options = self
-        while node.parent is not None:
-            words.insert(0, node.parent.subCommand)
-            node = node.parent
-        return getattr(node, "programName", None), words
+        """The root parser's programName (None under twist, whose parser is not ours), and the
+        sub-commands to this one."""
+        if self.parent is None:
+            return getattr(self, "programName", None), []
+        program, words = VersionedOptions._chain(self.parent)  # type: ignore[arg-type]
+        return program, [*words, self.parent.subCommand]
 
     def commandName(self) -> str:
         """The command as typed: ``mdp titanic result``, ``twist mdp-worker``."""
@@ -386,8 +379,6 @@ class _ServiceOptions(VersionedOptions):
     optParameters: list[Any] = _limit_options(listening=False)
     #: the :mod:`mdp.metrics` class that --metrics counts with
     metrics = ""
-    #: the role accepts connections: the plugin raises the open file limit
-    listens = True
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners (option: endpoint)."""
@@ -396,6 +387,21 @@ class _ServiceOptions(VersionedOptions):
         """The service these options ask for, counting with *metrics* (None: no --metrics)."""
         raise NotImplementedError
 
+    def makeService(self) -> Any:
+        """The plugin's service: a listening role (all but a broker's client) raises the open file
+        limit first; --metrics adds a metrics server beside it."""
+        if not isinstance(self, BrokerListOptions):
+            raise_descriptor_limit()
+        if not self.get("metrics"):
+            return self.newService(None)
+        import mdp.metrics
+
+        metrics = getattr(mdp.metrics, self.metrics)()
+        parent = MultiService()
+        self.newService(metrics).setServiceParent(parent)
+        service.MetricsService(self["metrics"], metrics.registry, exitOnFailure=True).setServiceParent(parent)
+        return parent
+
     def postOptions(self) -> None:
         # ours unless twist installed --reactor's; before a check or handler imports one
         uvreactor.install_default()
@@ -403,12 +409,17 @@ class _ServiceOptions(VersionedOptions):
             self.heartbeatPolicy()
         limits_of(self)
         listeners = self.checkRole()
+        super().postOptions()  # a broker's client: its --broker endpoints
         if self.get("metrics") is not None:
             checked_metrics(self["metrics"])
         if "curve-allow" in self:
             checked_curve_server(self, listeners or {})
-        if "handler" in self:
-            self.loadedHandler()
+        if "handler" in self:  # loaded now: a failure is one line on stderr and exit status 2
+            try:
+                self["handler-callable"] = self.loadHandler(self["handler"])
+            except MDPError as e:
+                print(f"{self.commandName()}: --handler: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
 
     def heartbeatPolicy(self) -> policy.HeartbeatPolicy:
         """The :class:`~mdp.policy.HeartbeatPolicy` of --heartbeat and --liveness, or a usage error."""
@@ -416,16 +427,6 @@ class _ServiceOptions(VersionedOptions):
             return policy.HeartbeatPolicy(self["heartbeat"], self["liveness"])
 
     loadHandler = staticmethod(load_handler)
-
-    def loadedHandler(self) -> Any:
-        """--handler, loaded once; a failure is one line on stderr and exit status 2."""
-        if "handler-callable" not in self:
-            try:
-                self["handler-callable"] = self.loadHandler(self["handler"])
-            except MDPError as e:
-                print(f"{self.commandName()}: --handler: {e}", file=sys.stderr)
-                raise SystemExit(2) from None
-        return self["handler-callable"]
 
 
 class _HeartbeatOptions(_ServiceOptions):
@@ -482,7 +483,13 @@ class BrokerOptions(_HeartbeatOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         listeners = {name: checked_endpoint(self[name], transport.LISTEN, name)
                      for name in ("endpoint", "backend")}
-        self.accessPolicy()
+        self["access-policy"] = None
+        if self["access"] is not None:
+            try:
+                with usage_errors("access", (ValueError,)):
+                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
+            except OSError as e:
+                raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
         given = [self[name] is not None for name in ("bstar", "bstar-local", "bstar-remote")]
         if any(given) and not all(given):
             raise usage.UsageError("--bstar, --bstar-local and --bstar-remote go together")
@@ -501,18 +508,8 @@ class BrokerOptions(_HeartbeatOptions):
         return service.BrokerService(
             self["endpoint"], self["backend"], metrics=metrics, binaryStar=binaryStar,
             logRequests=debug, heartbeat=self.heartbeatPolicy(),
-            limits=limits_of(self), access=self.accessPolicy(), exitOnFailure=True,
+            limits=limits_of(self), access=self["access-policy"], exitOnFailure=True,
             **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
-
-    def accessPolicy(self) -> Any:
-        """The --access policy file, loaded once (None without one)."""
-        if self["access"] is not None and "access-policy" not in self:
-            try:
-                with usage_errors("access", (ValueError,)):
-                    self["access-policy"] = policy.AccessPolicy.load(self["access"])
-            except OSError as e:
-                raise usage.UsageError(f"--access: cannot read {self['access']}: {e.strerror}") from None
-        return self.get("access-policy")
 
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
@@ -533,7 +530,6 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
                 whole_option, 1),
     ] + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
-    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if self["service"] is None:
@@ -542,11 +538,10 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
         with usage_errors("service"):
             api_service_name(self["service"])
-        BrokerListOptions.postOptions(self)
 
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
-            self["brokers"], self["service"], self.loadedHandler(), heartbeat=self.heartbeatPolicy(),
+            self["brokers"], self["service"], self["handler-callable"], heartbeat=self.heartbeatPolicy(),
             backoff=attrs.evolve(policy.PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
             replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
             limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
@@ -567,14 +562,16 @@ class FreelanceServerOptions(_ServiceOptions):
         return {"endpoint": checked_endpoint(self["endpoint"], transport.LISTEN, "endpoint")}
 
     def newService(self, metrics: Any) -> Any:
-        return service.FreelanceServerService(
-            self["endpoint"], self.loadedHandler(), exitOnFailure=True, limits=limits_of(self),
-            metrics=metrics,
-            **keywords(self, "max-pending", "max-pending-bytes", "curve-secret", "curve-allow"))
+        from mdp.freelance import FreelanceServer
+
+        server = FreelanceServer(self["handler-callable"], limits=limits_of(self), metrics=metrics,
+                                 **keywords(self, "max-pending", "max-pending-bytes", "curve-secret",
+                                            "curve-allow"))
+        return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="Freelance server")
 
 
-def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
-    """*value*, checked as an SP endpoint (nng URL or ours) to listen on or connect to."""
+def checked_sp_endpoint(value: str, listen: bool, option: str) -> None:
+    """Check *value* as an SP endpoint (nng URL or ours) to listen on or connect to."""
     from mdp.sp.codec import endpoint_of
 
     if not value.strip():
@@ -583,7 +580,6 @@ def checked_sp_endpoint(value: str, listen: bool, option: str) -> str:
         raise usage.UsageError(f"--{option}: bad endpoint {value!r}: no scheme; did you mean tcp://{value}?")
     with usage_errors(option):
         transport.check(endpoint_of(value, listen), transport.LISTEN if listen else transport.CONNECT)
-    return value
 
 
 class SPRepOptions(_ServiceOptions):
@@ -600,7 +596,7 @@ class SPRepOptions(_ServiceOptions):
     def newService(self, metrics: Any) -> Any:
         from mdp.sp.peers import SPServer
 
-        server = SPServer(self.loadedHandler(), limits=limits_of(self),
+        server = SPServer(self["handler-callable"], limits=limits_of(self),
                           **keywords(self, "max-pending", "max-pending-bytes"))
         return service.ServerService(self["endpoint"], server, exitOnFailure=True, what="SP REP server")
 
@@ -657,10 +653,8 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
         _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY, "Seconds between two mmi.services "
                 "listings: how soon a service that appears is served.", seconds_option, MIN_INTERVAL),
     ]
-    listens = False
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
-        BrokerListOptions.postOptions(self)
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, or :memory:")
 
@@ -672,41 +666,3 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
             **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes", "max-request-bytes",
                        "list-every"), **curve_client_of(self))
-
-
-class _Plugin:
-    """A ``twist`` plugin: a listening role raises the open file limit first; --metrics adds a
-    metrics server beside the service."""
-
-    tapname: str
-    description: str
-    options: type[_ServiceOptions]
-
-    def makeService(self, options: Any) -> Any:
-        if options.listens:
-            raise_descriptor_limit()
-        if not options.get("metrics"):
-            return options.newService(None)
-        import mdp.metrics
-
-        metrics = getattr(mdp.metrics, options.metrics)()
-        parent = MultiService()
-        options.newService(metrics).setServiceParent(parent)
-        service.MetricsService(options["metrics"], metrics.registry,
-                               exitOnFailure=True).setServiceParent(parent)
-        return parent
-
-
-def _plugin(entry: Any, options: type[_ServiceOptions]) -> type[_Plugin]:
-    """The ``twist`` plugin of the dropin's *entry* (name, description), running *options*' service."""
-    name = options.__name__.replace("Options", "ServiceMaker")
-    attributes = {"tapname": entry.tapname, "description": entry.description, "options": options}
-    return implementer(IServiceMaker, IPlugin)(type(name, (_Plugin,), attributes))
-
-
-BrokerServiceMaker = _plugin(dropin.mdpBroker, BrokerOptions)
-WorkerServiceMaker = _plugin(dropin.mdpWorker, WorkerOptions)
-FreelanceServerServiceMaker = _plugin(dropin.mdpFreelanceServer, FreelanceServerOptions)
-SPRepServiceMaker = _plugin(dropin.spRep, SPRepOptions)
-SPDeviceServiceMaker = _plugin(dropin.spDevice, SPDeviceOptions)
-TitanicServiceMaker = _plugin(dropin.mdpTitanic, TitanicOptions)

@@ -22,8 +22,6 @@ def show(frame: bytes) -> str:
 
 def printable(text: str) -> str:
     """*text* with unprintable characters (terminal escapes) escaped: for peers' text."""
-    if text.isprintable():
-        return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 

@@ -2,8 +2,8 @@
 ``twist mdp-freelance-server``, ``twist mdp-titanic``, ``twist sp-rep``,
 ``twist sp-device``; the ``mtls:`` server endpoint (mutual TLS).
 
-Each entry names its maker in :mod:`mdp.app.tap` and imports it only when
-``twist`` uses it (for its options, or to make the service): Twisted imports
+Each entry names its options class in :mod:`mdp.app.tap` and imports it only
+when ``twist`` uses it (parsed, the options make the service): Twisted imports
 every dropin to list its plugins, inside ``getPlugins``, which logs and goes
 on past whatever an import raises, Ctrl-C included; the package's import
 then happens outside it."""
@@ -19,39 +19,37 @@ from zope.interface import implementer
 
 @implementer(IServiceMaker, IPlugin)
 class _Maker:
-    """A ``twist`` plugin whose maker (``mdp.app.tap.<maker>``) is imported on use."""
+    """A ``twist`` plugin whose options (``mdp.app.tap.<options>``) are imported on use; the
+    parsed options make the service."""
 
-    def __init__(self, tapname: str, description: str, maker: str) -> None:
+    def __init__(self, tapname: str, description: str, options: str) -> None:
         self.tapname = tapname
         self.description = description
-        self.maker = maker
-
-    def _real(self) -> Any:
-        from mdp.app import tap
-
-        return getattr(tap, self.maker)()
+        self.optionsName = options
 
     @property
     def options(self) -> Any:
-        return self._real().options
+        from mdp.app import tap
+
+        return getattr(tap, self.optionsName)
 
     def makeService(self, options: Any) -> Any:
-        return self._real().makeService(options)
+        return options.makeService()
 
 
-mdpBroker = _Maker("mdp-broker", "MDP/0.2 (Majordomo) broker.", "BrokerServiceMaker")
+mdpBroker = _Maker("mdp-broker", "MDP/0.2 (Majordomo) broker.", "BrokerOptions")
 mdpWorker = _Maker("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
-                   "WorkerServiceMaker")
+                   "WorkerOptions")
 mdpFreelanceServer = _Maker(
     "mdp-freelance-server",
     "Freelance (brokerless) request-reply server, answering PING with PONG.",
-    "FreelanceServerServiceMaker")
+    "FreelanceServerOptions")
 mdpTitanic = _Maker("mdp-titanic",
                     "Titanic: disk-backed, disconnected requests through an MDP broker.",
-                    "TitanicServiceMaker")
-spRep = _Maker("sp-rep", "SP (nng) REP server running a handler.", "SPRepServiceMaker")
+                    "TitanicOptions")
+spRep = _Maker("sp-rep", "SP (nng) REP server running a handler.", "SPRepOptions")
 spDevice = _Maker("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
-                  "SPDeviceServiceMaker")
+                  "SPDeviceOptions")
 
 # ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor),
 # what the plugins above install anyway when no --reactor is given
