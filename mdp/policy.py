@@ -20,8 +20,9 @@ def _number(least: float, *, above: bool = False, below: Optional[float] = None,
     below *below*, finite unless *infinite*; *what* comes before the name in the error."""
     def check(instance: object, attribute: attrs.Attribute, value: Any) -> None:
         name = what + attribute.name
-        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                or not (value > least if above else value >= least) or not (below is None or value < below)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not (value > least if above else value >= least) or not (below is None or value < below):
             raise ValueError(f"{name} must be {'above' if above else 'at least'} {least}"
                              f"{'' if below is None else f' and below {below}'}, got {value!r}")
         if not (infinite or isinstance(value, int) or math.isfinite(value)):

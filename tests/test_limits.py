@@ -898,6 +898,10 @@ def test_limits_are_validated() -> None:
         Limits(maxMessageBytes=0)
     with pytest.raises(ValueError):
         Broker(maxDeliveries=0)
+    with pytest.raises(ValueError, match="maxConnections must be a number, got True"):
+        Limits(maxConnections=True)
+    with pytest.raises(ValueError, match="must be finite, got inf"):
+        Limits(handshakeTimeout=float("inf"))
     assert Limits().oversize(10, 2) is None
 
 
