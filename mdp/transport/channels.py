@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -13,15 +14,6 @@ from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
 from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
-
-
-class _ChannelsConnection(_DealerConnection):
-    """The connection of a :class:`StreamChannels`."""
-
-    dealer: StreamChannels  # type: ignore[assignment]
-
-    def _deliverAll(self, messages: list[Any]) -> None:
-        self.dealer._dispatch(self, messages)
 
 
 @implementer(IDealerTransport)
@@ -106,8 +98,6 @@ class StreamChannels(_OneConnection):
     connection of its own: the Twisted shell of a :class:`~mdp.transport.channellink.ChannelLink`."""
 
     kind = "stream channels"
-    connectionClass = _ChannelsConnection
-    protocol: Optional[_ChannelsConnection]
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
@@ -142,7 +132,8 @@ class StreamChannels(_OneConnection):
         return channel
 
     def _made(self, proto: _DealerConnection) -> None:
-        self.protocol = proto  # type: ignore[assignment]
+        self.protocol = proto
+        proto._deliverAll = partial(self._dispatch, proto)  # type: ignore[method-assign]
         for channel in self.core.made():
             channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
             channel._made()  # type: ignore[attr-defined]
@@ -168,7 +159,7 @@ class StreamChannels(_OneConnection):
                 channel.receiver.connectionLost(  # type: ignore[attr-defined]
                     why if why is reason else Failure(why))
 
-    def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
+    def _dispatch(self, proto: _DealerConnection, messages: list[Any]) -> None:
         self._pending = messages
         core = self.core
         channels = core.channels

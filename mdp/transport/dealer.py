@@ -35,7 +35,6 @@ class _DealerConnection(FramedProtocol):
     """The connecting side's protocol, producer of its transport."""
 
     dealer: StreamDealer
-    paused = False
     madeAt: Optional[float] = None  # (over TLS, once the handshake is done)
     proven = False  # something came, or it stayed up PROVEN_AFTER
 
@@ -68,15 +67,10 @@ class _DealerConnection(FramedProtocol):
                   framing=self.framing.name, seconds=self.limits.handshakeTimeout)
 
     reading = False
-    _flushCall: Any = None
 
     def _batchBegun(self) -> None:
-        if not self.reading and self._flushCall is None:
-            self._flushCall = self.dealer.reactor.callLater(0, self.flushWrites)
-
-    def flushWrites(self) -> None:
-        self._flushCall = cancel_call(self._flushCall)
-        super().flushWrites()
+        if not self.reading:
+            self._flushSoon(self.dealer.reactor)
 
     def dataReceived(self, data: bytes) -> None:
         self.reading = True
@@ -102,10 +96,7 @@ class _DealerConnection(FramedProtocol):
     def connectionLost(self, reason: object = None) -> None:
         self._awaiting = cancel_call(self._awaiting)
         self.paused = False
-        self.reportUnfinished()
-        self._flushCall = cancel_call(self._flushCall)
-        self._out = []
-        self._outBytes = 0
+        super().connectionLost(reason)
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
             self.proven, self.dealer._unproven = True, 0
@@ -115,9 +106,6 @@ class _DealerConnection(FramedProtocol):
 
     def handshakeCompleted(self) -> None:
         self.madeAt = self.dealer.reactor.seconds()
-
-    def pauseProducing(self) -> None:
-        self.paused = True
 
     def resumeProducing(self) -> None:
         self.paused = False
@@ -172,7 +160,6 @@ class _OneConnection:
     service: Optional[ClientService] = None
     _closing: Optional[defer.Deferred[None]] = None
     queuedBytes: int
-    connectionClass: type[_DealerConnection] = _DealerConnection
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits, framing: Any,
                  identity: Optional[bytes]) -> None:
@@ -186,7 +173,7 @@ class _OneConnection:
         self._waiters = DrainWaiters()
 
     def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = self.connectionClass()
+        proto = _DealerConnection()
         proto.dealer = self  # type: ignore[assignment]
         return proto
 

@@ -13,7 +13,7 @@ from mdp.errors import ProtocolError
 from mdp.interfaces import IFraming
 from mdp.policy import Limits, LogThrottle
 from mdp.transport.framing import RECORDS
-from mdp.transport.twisted_private import direct_capable, write_direct
+from mdp.transport.twisted_private import call_soon, direct_capable, write_direct
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -34,11 +34,13 @@ class FramedProtocol(Protocol):
     dropped = False  # deliver nothing more
     closedHere = False
     refusal: Optional[ProtocolError] = None
+    paused = False
     needsLogContext = False  #: mdp.uvreactor may read without Twisted's legacy log context
 
     _out: list[bytes]
     _outBytes = 0
     _direct = False
+    _flushCall: Any = None
 
     def connectionMade(self) -> None:
         self.decoder = self.framing.decoder(self.limits)
@@ -79,6 +81,20 @@ class FramedProtocol(Protocol):
     def _batchBegun(self) -> None:
         """The first record of a batch is queued: see that it is flushed."""
         raise NotImplementedError
+
+    def _flushSoon(self, reactor: Any) -> None:
+        """Flush at the end of this reactor turn."""
+        if self._flushCall is None:
+            self._flushCall = call_soon(reactor, self._flushTurn)
+
+    def _flushTurn(self) -> None:
+        self._flushCall = None
+        self.flushWrites()
+
+    def _cancelFlush(self) -> None:
+        call, self._flushCall = self._flushCall, None
+        if call is not None:
+            call.cancel()
 
     def flushWrites(self) -> None:
         out = self._out
@@ -153,14 +169,20 @@ class FramedProtocol(Protocol):
         self.transport.unregisterProducer()
         self.transport.loseConnection()
 
-    def reportUnfinished(self) -> None:
-        """At connectionLost: warn if the peer closed in the middle of a message."""
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def connectionLost(self, reason: object = None) -> None:
+        """Warn if the peer closed in the middle of a message; let go of what is held."""
         decoder = getattr(self, "decoder", None)
         if decoder is not None and not (self.dropped or self.closedHere) and decoder.inRecord:
             self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
                        "message ({held} bytes of it received): that message is lost",
                        held=decoder.buffered)
         getattr(decoder, "release", int)()  # what an unfinished record held, at once
+        self._cancelFlush()
+        self._out = []
+        self._outBytes = 0
 
     def peerName(self) -> str:
         try:

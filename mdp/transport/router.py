@@ -31,7 +31,6 @@ from mdp.transport.endpoints import (
 )
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
-from mdp.transport.twisted_private import call_soon
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -53,7 +52,6 @@ class _RouterConnection(FramedProtocol):
     greeted = False  # its handshake is done
     useful = False  # never closed to make room
     host: Optional[str] = None
-    paused = False
     makingRoom = False
     tlsSubject: Any = False
     _timer: Any = None
@@ -125,24 +123,15 @@ class _RouterConnection(FramedProtocol):
                         return
                     old.drop("a newer connection took over its identity {identity}", identity=peer.hex())
                     if old.useful:
+                        self.greeted = True
                         self.markUseful()
                 router.connections.pop(self.peer, None)
                 router.connections[peer] = self
                 self.peer = peer
-        if not self.useful:
-            self._spoke()
-        router.receiver.messageReceived(peer, frames)
-
-    def _spoke(self) -> None:
-        """A message from a peer not useful yet: the last to make room."""
-        if not self.greeted:
+        if not self.useful:  # (dataReceived ends the handshake timer)
             self.greeted = True
-            self._timer = cancel_call(self._timer)
-        self._unrank()
-        if not self.router.judged:
-            self.useful = True
-        elif not self.dropped:
-            self.router.spoken[self] = self.hostRanks[1][self] = None
+            self.markUseful(not router.judged)  # judged: the last to make room
+        router.receiver.messageReceived(peer, frames)
 
     def markUseful(self, useful: bool = True) -> None:
         self.useful = useful
@@ -180,26 +169,14 @@ class _RouterConnection(FramedProtocol):
             self._end(channel)
         self.router.reactor.callLater(0, self.router._channelEnded, peer)
 
-    _turnCall: Any = None
-
     def _batchBegun(self) -> None:
-        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
-            if self._turnCall is None:
-                self._turnCall = call_soon(self.router.reactor, self._flushTurn)
-            return
         router = self.router
+        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
+            self._flushSoon(router.reactor)
+            return
         router.dirty.append(self)
         if not router.reading and router.flushCall is None:
             router.flushCall = router.reactor.callLater(0, router.flushWrites)
-
-    def _flushTurn(self) -> None:
-        self._turnCall = None
-        self.flushWrites()
-
-    def _cancelTurn(self) -> None:
-        call, self._turnCall = self._turnCall, None
-        if call is not None:
-            call.cancel()
 
     def dataReceived(self, data: bytes) -> None:
         router = self.router
@@ -209,7 +186,6 @@ class _RouterConnection(FramedProtocol):
             decoder = self.decoder
             if not self.greeted and not self.closing and getattr(decoder, "handshaken", False):
                 self.greeted = True  # its framing's handshake (SP's header)
-                self._timer = cancel_call(self._timer)
             if not self.greeted or self.closing:
                 return
             if decoder.inRecord:
@@ -253,9 +229,6 @@ class _RouterConnection(FramedProtocol):
                       "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
             self.stopProducing()
 
-    def pauseProducing(self) -> None:
-        self.paused = True
-
     def resumeProducing(self) -> None:
         self.paused = False
         backlog = self.backlog
@@ -284,11 +257,8 @@ class _RouterConnection(FramedProtocol):
         StreamRouter.accepted -= 1
         if self.makingRoom:
             StreamRouter.makingRoom -= 1
-        self.reportUnfinished()
+        super().connectionLost(reason)
         self._timer = cancel_call(self._timer)
-        self._cancelTurn()
-        self._out = []
-        self._outBytes = 0
         self.backlog.clear()
         router = self.router
         self._unrank()
@@ -518,7 +488,7 @@ class StreamRouter:
         for connection in list(self.connections.values()):
             connection.closedHere = True
             connection.dropped = True
-            connection._cancelTurn()
+            connection._cancelFlush()
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()
