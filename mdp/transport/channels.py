@@ -58,7 +58,7 @@ class _StreamChannel(Channel):
         link = self.link
         proto = link.protocol
         if self.up and proto is not None:
-            proto._queueOn(self.id, proto.encode(frames))
+            proto._queue(proto.encode(frames), self.id)
         elif not self.closed and link._admit(frames, link.core.queued) is not None:
             link.core.hold(self, frames)  # (sent once it is up)
 
@@ -69,7 +69,7 @@ class _StreamChannel(Channel):
             self._call = cancel_call(self._call)
             record = link.core.close(self)
             if record is not None and link.protocol is not None:
-                link.protocol._queueOn(record[:4], record[4:])
+                link.protocol._queue(record[4:], record[:4])
             if not link.core.channels:
                 link._stop()
         return defer.succeed(None)
@@ -190,7 +190,7 @@ class StreamChannels(_OneConnection):
         """The far side ended *channel*: acknowledge; up again after the delay."""
         record, why, delay = self.core.endedThere(channel)
         if self.protocol is not None:
-            self.protocol._queueOn(record[:4], record[4:])
+            self.protocol._queue(record[4:], record[:4])
         channel._call = cancel_call(channel._call)
         if why is not None:
             channel.receiver.connectionLost(Failure(why))

@@ -58,24 +58,18 @@ class FramedProtocol(Protocol):
     def sendFrames(self, frames: list[bytes]) -> None:
         self._queue(self.encode(frames))
 
-    def _queue(self, record: bytes) -> None:
+    def _queue(self, record: bytes, channel: Optional[bytes] = None) -> None:
+        """Send *record* (on *channel*) with the rest of this batch."""
         out = self._out
+        first = not out
+        if channel is not None:
+            out.append(channel)
+            self._outBytes += 4
         out.append(record)
         self._outBytes += len(record)
         if self._outBytes >= FLUSH_BYTES:
             self.flushWrites()
-        elif len(out) == 1:
-            self._batchBegun()
-
-    def _queueOn(self, channel: bytes, record: bytes) -> None:
-        """Send *record* on *channel* with the rest of this batch."""
-        out = self._out
-        out.append(channel)
-        out.append(record)
-        self._outBytes += 4 + len(record)
-        if self._outBytes >= FLUSH_BYTES:
-            self.flushWrites()
-        elif len(out) == 2:
+        elif first:
             self._batchBegun()
 
     def _batchBegun(self) -> None:

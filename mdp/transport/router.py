@@ -215,10 +215,8 @@ class _RouterConnection(FramedProtocol):
         record = self.encode(frames)
         if self.paused or self.backlog:
             self._hold(record if channel is None else channel + record)
-        elif channel is None:
-            self._queue(record)
         else:
-            self._queueOn(channel, record)
+            self._queue(record, channel)
 
     def _hold(self, record: bytes) -> None:
         self.backlog.append(record)
