@@ -13,7 +13,7 @@ from zope.interface import implementer
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
-from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
+from mdp.transport.dealer import _DealerConnection, _OneConnection
 
 
 @implementer(IDealerTransport)
@@ -126,7 +126,7 @@ class StreamChannels(_OneConnection):
         channel = _StreamChannel(self, receiver)
         self.core.open(channel)
         if self.service is None:
-            self.service = _connection(self, self.endpoint, self.core.retryPolicy)
+            self._start(self.core.retryPolicy)
         elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel

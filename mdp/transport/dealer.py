@@ -136,20 +136,6 @@ class _ReportingEndpoint:
     __repr__ = __str__
 
 
-def _connection(owner: Any, endpoint: str, retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping *owner*'s connection."""
-    factory = Factory.forProtocol(lambda: None)
-    factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
-    factory.noisy = False
-    policy = retryPolicy or RECONNECT.retryPolicy()
-    service = ClientService(
-        _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
-        factory, retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
-        clock=owner.reactor)
-    service.startService()
-    return service
-
-
 class _OneConnection:
     """A connecting side's one connection (``protocol``, None while down) and its
     flow control; what is sent meanwhile waits, within ``maxQueued`` and bytes."""
@@ -171,6 +157,19 @@ class _OneConnection:
         self.protocol: Optional[_DealerConnection] = None
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
+
+    def _start(self, retryPolicy: Optional[Callable[[int], float]]) -> None:
+        """Start the :class:`ClientService` keeping the connection."""
+        factory = Factory.forProtocol(lambda: None)
+        factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
+        factory.noisy = False
+        policy = retryPolicy or RECONNECT.retryPolicy()
+        service = ClientService(
+            _ReportingEndpoint(clientFromString(self.reactor, self.endpoint), self.endpoint, self._failed),
+            factory, retryPolicy=lambda attempt: policy(attempt + max(0, self._unproven - 1)),
+            clock=self.reactor)
+        service.startService()
+        self.service = service  # (an attempt failing meanwhile is not reported)
 
     def _buildProtocol(self, addr: object) -> _DealerConnection:
         proto = _DealerConnection()
@@ -210,20 +209,11 @@ class _OneConnection:
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
         self._waiters.fire()
-        if service is None:
-            return after(self._closing)
         if proto is not None:
             proto.closeGracefully()
-        stopped: defer.Deferred[None] = defer.Deferred()
-        self._closing = stopped
-
-        def done(result: object) -> None:
-            if self._closing is stopped:
-                self._closing = None
-            stopped.callback(None)
-
-        service.stopService().addBoth(done)
-        return after(stopped)
+        if service is not None:
+            self._closing = service.stopService().addBoth(lambda result: None)
+        return after(self._closing)
 
 
 @implementer(IDealerTransport)
@@ -237,7 +227,7 @@ class StreamDealer(_OneConnection):
         self.receiver = receiver
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
-        self.service = _connection(self, endpoint, retryPolicy)
+        self._start(retryPolicy)
 
     @property
     def connected(self) -> bool:
