@@ -110,8 +110,7 @@ def _loopback_host(host: str) -> bool:
 def beyond_loopback(endpoint: str) -> bool:
     """Does listening on *endpoint* accept peers from other machines?"""
     kind, _, rest = endpoint.partition(":")
-    if kind.startswith("session+"):
-        return beyond_loopback(f"{kind[len('session+'):]}:{rest}")
+    kind = kind[len("session+"):] if kind.startswith("session+") else kind  # (its inner endpoint's)
     if kind == "zmq":
         transport, _, address = rest.partition("://")
         return transport == "tcp" and not _loopback_host(address.rpartition(":")[0])
