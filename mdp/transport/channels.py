@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -43,15 +43,12 @@ class _StreamChannel(Channel):
         """Drop its messages of this read not delivered yet; how many."""
         link, name = self.link, self.id
         pending = link._pending
-        if pending is None or not link._waiting.get(name):
-            return 0
-        link._waiting[name] = 0
-        count = 0
-        for i in range(link._at, len(pending)):
-            item = pending[i]
-            if item is not None and item[0] == name:
-                pending[i] = None
-                count += 1
+        count = 0 if pending is None else link._waiting.get(name, 0)
+        if count:  # (as many of the rest of the read are its)
+            link._waiting[name] = 0
+            for i in range(link._at, len(pending)):
+                if pending[i] is not None and pending[i][0] == name:
+                    pending[i] = None
         return count
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -164,9 +161,7 @@ class StreamChannels(_OneConnection):
         core = self.core
         channels = core.channels
         # by channel, its messages still to come in this read
-        waiting = self._waiting = {}
-        for item in messages:
-            waiting[item[0]] = waiting.get(item[0], 0) + 1
+        waiting = self._waiting = Counter(channel for channel, _ in messages)
         try:
             for i, item in enumerate(messages):
                 if item is None:
