@@ -21,7 +21,7 @@ from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, held_bytes
 from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
-from mdp.transport.twisted_private import shortcut_reads
+from mdp.transport.twisted_private import call_soon, shortcut_reads
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -69,8 +69,8 @@ class _DealerConnection(FramedProtocol):
     reading = False
 
     def _batchBegun(self) -> None:
-        if not self.reading:
-            self._flushSoon(self.dealer.reactor)
+        if not self.reading and self._flushCall is None:
+            self._flushCall = call_soon(self.dealer.reactor, self._flushTurn)
 
     def dataReceived(self, data: bytes) -> None:
         self.reading = True

@@ -13,7 +13,7 @@ from mdp.errors import ProtocolError
 from mdp.interfaces import IFraming
 from mdp.policy import Limits, LogThrottle
 from mdp.transport.framing import RECORDS
-from mdp.transport.twisted_private import call_soon, direct_capable, write_direct
+from mdp.transport.twisted_private import direct_capable, write_direct
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -76,12 +76,8 @@ class FramedProtocol(Protocol):
         """The first record of a batch is queued: see that it is flushed."""
         raise NotImplementedError
 
-    def _flushSoon(self, reactor: Any) -> None:
-        """Flush at the end of this reactor turn."""
-        if self._flushCall is None:
-            self._flushCall = call_soon(reactor, self._flushTurn)
-
     def _flushTurn(self) -> None:
+        """At the end of the reactor turn (``call_soon``) that scheduled it as ``_flushCall``."""
         self._flushCall = None
         self.flushWrites()
 

@@ -31,6 +31,7 @@ from mdp.transport.endpoints import (
 )
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
+from mdp.transport.twisted_private import call_soon
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -172,7 +173,8 @@ class _RouterConnection(FramedProtocol):
     def _batchBegun(self) -> None:
         router = self.router
         if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
-            self._flushSoon(router.reactor)
+            if self._flushCall is None:
+                self._flushCall = call_soon(router.reactor, self._flushTurn)
             return
         router.dirty.append(self)
         if not router.reading and router.flushCall is None:
