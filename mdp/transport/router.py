@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict, deque
+from functools import cached_property
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -54,7 +55,6 @@ class _RouterConnection(FramedProtocol):
     useful = False  # never closed to make room
     host: Optional[str] = None
     makingRoom = False
-    tlsSubject: Any = False
     _timer: Any = None
     backlogBytes = 0
     _recordsAtArm = -1
@@ -79,11 +79,10 @@ class _RouterConnection(FramedProtocol):
         self.transport.registerProducer(self, True)
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
-    def subject(self) -> Optional[str]:
-        if self.tlsSubject is False:
-            certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
-            self.tlsSubject = subject(certificate) if certificate is not None else None
-        return self.tlsSubject  # type: ignore[no-any-return]
+    @cached_property
+    def tlsSubject(self) -> Optional[str]:
+        certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
+        return None if certificate is None else subject(certificate)
 
     def _deliver(self, frames: list[bytes]) -> None:
         router = self.router
@@ -118,7 +117,7 @@ class _RouterConnection(FramedProtocol):
             elif peer != self.peer:  # announced: an older holder is dropped
                 old = router.connections.get(peer)
                 if old is not None and old is not self:
-                    if old.subject() != self.subject():
+                    if old.tlsSubject != self.tlsSubject:
                         self.drop("it announced identity {identity}, held by a connection with "
                                   "another TLS certificate", identity=peer.hex())
                         return
@@ -429,17 +428,13 @@ class StreamRouter:
                framing: IFraming = RECORDS) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
-        try:
-            server = server_endpoint(reactor, description)
-        except TransportError as e:
-            return defer.fail(e)
-        factory = router.factory()
-        router.wrapped = description.partition(":")[0].lower() not in ("tcp", "tcp6", "unix")
+        kind = description.partition(":")[0]
+        router.wrapped = kind.lower() not in ("tcp", "tcp6", "unix")
         router._listening = True
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
-            router.endpoint = connect_description(description.partition(":")[0], port)
+            router.endpoint = connect_description(kind, port)
             router._checkBudget()
             return router
 
@@ -449,7 +444,8 @@ class StreamRouter:
             return Failure(TransportError(f"cannot listen on {endpoint}: "
                                           f"{failure.getErrorMessage()}"))
 
-        return server.listen(factory).addCallbacks(listening, failed)
+        bound = defer.maybeDeferred(lambda: server_endpoint(reactor, description).listen(router.factory()))
+        return bound.addCallbacks(listening, failed)
 
     def peerAddress(self, peer: bytes) -> Optional[str]:
         connection = self._connectionOf(peer)
@@ -457,7 +453,7 @@ class StreamRouter:
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
         connection = self._connectionOf(peer)
-        return None if connection is None else connection.subject()
+        return None if connection is None else connection.tlsSubject
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
         return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
