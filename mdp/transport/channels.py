@@ -136,8 +136,7 @@ class StreamChannels(_OneConnection):
             channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        if self.service is None or not self.service.running or isinstance(
-                reason, defer.CancelledError):  # (a stopped service's attempt)
+        if self.service is None:  # (stopped: its attempt was cancelled)
             return
         for channel in self.core.failed():
             report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
