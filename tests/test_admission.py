@@ -14,7 +14,7 @@ import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 
 from mdp import Broker, Client, Limits, Worker
@@ -133,8 +133,8 @@ def test_the_connection_closed_for_a_newcomer_is_one_that_did_least(
         elif connection is None or n not in model:
             continue
         elif event == "message":
-            if not connection.useful:  # (as a message is delivered)
-                connection._spoke()
+            if not connection.useful:  # (as a message is delivered to a judging router)
+                connection.markUseful(False)
             if model[n][0] < 2:
                 model[n] = (1, when)
         elif event == "useful":
@@ -230,9 +230,9 @@ async def test_a_full_broker_closes_the_peers_that_did_least_to_admit_newcomers(
 @pytest_twisted.ensureDeferred
 async def test_a_client_reconnecting_with_its_identity_stays_useful(net: Net) -> None:
     """A newer connection that takes over a useful client's identity is
-    useful at once (the broker hears of no new peer): a newcomer closes the
-    junk, not the client."""
-    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3))
+    useful at once (the broker hears of no new peer), and greeted: a newcomer
+    closes the junk, not the client, and no handshake timeout ends it."""
+    broker, endpoint = await start_broker(net, limits=Limits(maxConnections=3, handshakeTimeout=1.0))
     bound = binding_of(broker)
     start_worker(net, endpoint, "echo", echo)
     await net.until(lambda: b"echo" in broker.services)
@@ -251,6 +251,8 @@ async def test_a_client_reconnecting_with_its_identity_stays_useful(net: Net) ->
     await raw_stream(net, endpoint)  # the newcomer
     await net.wait(junk.lost)
     assert not second.lost.called and bound.evicted == 1
+    await net.wait(deferLater(reactor(), 1.2, lambda: None))
+    assert not second.lost.called
 
 
 def test_a_peer_id_on_two_routes_is_two_useful_clients() -> None:

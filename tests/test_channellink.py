@@ -173,7 +173,7 @@ class _TwistedShell:
         self.proto = SimpleNamespace(closing=False, dropped=False, closedHere=False, refusal=None,
                                      transport=SimpleNamespace(disconnecting=False), paused=False,
                                      encode=lambda frames: b"", closeGracefully=lambda: None,
-                                     _queueOn=lambda name, record: None)
+                                     _queue=lambda record, channel=None: None)
         self.links._made(self.proto)
 
     def lost(self, refused: Any) -> None:

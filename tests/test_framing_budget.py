@@ -219,7 +219,7 @@ def test_the_budget_holds_and_only_the_oldest_goes(steps: list[tuple[int, int]])
 
 
 def test_a_connection_lost_gives_back_its_unfinished_record_at_once() -> None:
-    """``FramedProtocol.reportUnfinished`` releases the decoder: no wait for
+    """``FramedProtocol.connectionLost`` releases the decoder: no wait for
     the garbage collector to free a protocol in a reference cycle."""
     from mdp.transport.framed import FramedProtocol
 
@@ -228,7 +228,7 @@ def test_a_connection_lost_gives_back_its_unfinished_record_at_once() -> None:
     connection.decoder.feed(encode_record([b"x" * 100])[:50])
     before = framing.BUFFERED.held
     connection.dropped = True  # (no warning: no transport to name)
-    connection.reportUnfinished()
+    connection.connectionLost()
     assert framing.BUFFERED.held == before - 46
 
 

@@ -16,6 +16,7 @@ from zope.interface import implementer
 
 from mdp.errors import TransportError
 from mdp.interfaces import (
+    DealerReceiver,
     IDealerChannels,
     IDealerReceiver,
     IDealerTransport,
@@ -109,8 +110,7 @@ def _loopback_host(host: str) -> bool:
 def beyond_loopback(endpoint: str) -> bool:
     """Does listening on *endpoint* accept peers from other machines?"""
     kind, _, rest = endpoint.partition(":")
-    if kind.startswith("session+"):
-        return beyond_loopback(f"{kind[len('session+'):]}:{rest}")
+    kind = kind[len("session+"):] if kind.startswith("session+") else kind  # (its inner endpoint's)
     if kind == "zmq":
         transport, _, address = rest.partition("://")
         return transport == "tcp" and not _loopback_host(address.rpartition(":")[0])
@@ -266,19 +266,12 @@ def connect_peers(receiver: IPeerRouterReceiver, reactor: Optional[Any] = None, 
     return PeerRouter(receiver, default_reactor(reactor), limits=limits, curve=security)
 
 
-class _PeerPipe:
+class _PeerPipe(DealerReceiver):
     """Receives for one endpoint's DEALER and forwards with the endpoint name."""
 
     def __init__(self, owner: PeerRouter, endpoint: str) -> None:
         self.owner = owner
         self.endpoint = endpoint
-        self.connected = False
-
-    def connectionMade(self) -> None:
-        self.connected = True
-
-    def connectionLost(self, reason: object) -> None:
-        self.connected = False
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self.owner.receiver.messageReceived(self.endpoint, frames)
@@ -298,7 +291,7 @@ class PeerRouter:
         self.curve = curve
         self.reactor = default_reactor(reactor)
         self.limits = limits
-        self.pipes: dict[str, tuple[_PeerPipe, IDealerTransport]] = {}
+        self.pipes: dict[str, IDealerTransport] = {}
         self.zmq: Optional[Any] = None
         #: servers whose connection could not be opened, tried at their next message
         self.unconnected: set[str] = set()
@@ -319,10 +312,8 @@ class PeerRouter:
                                              curve=self.curve)
                 self.zmq.connect(endpoint)
             else:
-                pipe = _PeerPipe(self, endpoint)
-                self.pipes[endpoint] = (pipe, connect(
-                    endpoint, pipe, self.reactor, retryPolicy=_PEER_RECONNECT.retryPolicy(),
-                    limits=self.limits))
+                self.pipes[endpoint] = connect(endpoint, _PeerPipe(self, endpoint), self.reactor,
+                                               retryPolicy=_PEER_RECONNECT.retryPolicy(), limits=self.limits)
         except Exception as e:
             self.unconnected.add(endpoint)
             self.throttle.warn(_log, f"connect {endpoint}", "connecting router: cannot connect "
@@ -336,16 +327,15 @@ class PeerRouter:
             self.connect(endpoint)
             if endpoint in self.unconnected:
                 return
-        entry = self.pipes.get(endpoint)
-        if entry is not None:
-            pipe, dealer = entry
-            if pipe.connected:  # like a ROUTER: nothing is queued for an absent peer
+        dealer = self.pipes.get(endpoint)
+        if dealer is not None:
+            if dealer.connected:  # like a ROUTER: nothing is queued for an absent peer
                 dealer.sendMessage(frames)
         elif self.zmq is not None:
             self.zmq.sendMessage(endpoint, frames)
 
     def close(self) -> defer.Deferred[None]:
-        closing = [dealer for _, dealer in self.pipes.values()]
+        closing = list(self.pipes.values())
         self.pipes.clear()
         self.unconnected.clear()
         if self.zmq is not None:

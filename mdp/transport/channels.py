@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -12,16 +13,7 @@ from zope.interface import implementer
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, cancel_call
 from mdp.transport.channellink import CHANNELS, DELIVER, ENDED, Channel, ChannelLink
-from mdp.transport.dealer import _connection, _DealerConnection, _OneConnection
-
-
-class _ChannelsConnection(_DealerConnection):
-    """The connection of a :class:`StreamChannels`."""
-
-    dealer: StreamChannels  # type: ignore[assignment]
-
-    def _deliverAll(self, messages: list[Any]) -> None:
-        self.dealer._dispatch(self, messages)
+from mdp.transport.dealer import _DealerConnection, _OneConnection
 
 
 @implementer(IDealerTransport)
@@ -51,22 +43,19 @@ class _StreamChannel(Channel):
         """Drop its messages of this read not delivered yet; how many."""
         link, name = self.link, self.id
         pending = link._pending
-        if pending is None or not link._waiting.get(name):
-            return 0
-        link._waiting[name] = 0
-        count = 0
-        for i in range(link._at, len(pending)):
-            item = pending[i]
-            if item is not None and item[0] == name:
-                pending[i] = None
-                count += 1
+        count = 0 if pending is None else link._waiting.get(name, 0)
+        if count:  # (as many of the rest of the read are its)
+            link._waiting[name] = 0
+            for i in range(link._at, len(pending)):
+                if pending[i] is not None and pending[i][0] == name:
+                    pending[i] = None
         return count
 
     def sendMessage(self, frames: list[bytes]) -> None:
         link = self.link
         proto = link.protocol
         if self.up and proto is not None:
-            proto._queueOn(self.id, proto.encode(frames))
+            proto._queue(proto.encode(frames), self.id)
         elif not self.closed and link._admit(frames, link.core.queued) is not None:
             link.core.hold(self, frames)  # (sent once it is up)
 
@@ -77,7 +66,7 @@ class _StreamChannel(Channel):
             self._call = cancel_call(self._call)
             record = link.core.close(self)
             if record is not None and link.protocol is not None:
-                link.protocol._queueOn(record[:4], record[4:])
+                link.protocol._queue(record[4:], record[:4])
             if not link.core.channels:
                 link._stop()
         return defer.succeed(None)
@@ -106,8 +95,6 @@ class StreamChannels(_OneConnection):
     connection of its own: the Twisted shell of a :class:`~mdp.transport.channellink.ChannelLink`."""
 
     kind = "stream channels"
-    connectionClass = _ChannelsConnection
-    protocol: Optional[_ChannelsConnection]
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
@@ -136,20 +123,20 @@ class StreamChannels(_OneConnection):
         channel = _StreamChannel(self, receiver)
         self.core.open(channel)
         if self.service is None:
-            self.service = _connection(self, self.endpoint, self.core.retryPolicy)
+            self._start(self.core.retryPolicy)
         elif self.protocol is not None:
             channel._call = self.reactor.callLater(0, channel._up)
         return channel
 
     def _made(self, proto: _DealerConnection) -> None:
-        self.protocol = proto  # type: ignore[assignment]
+        self.protocol = proto
+        proto._deliverAll = partial(self._dispatch, proto)  # type: ignore[method-assign]
         for channel in self.core.made():
             channel._call = cancel_call(channel._call)  # type: ignore[attr-defined]
             channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        if self.service is None or not self.service.running or isinstance(
-                reason, defer.CancelledError):  # (a stopped service's attempt)
+        if self.service is None:  # (stopped: its attempt was cancelled)
             return
         for channel in self.core.failed():
             report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
@@ -168,14 +155,12 @@ class StreamChannels(_OneConnection):
                 channel.receiver.connectionLost(  # type: ignore[attr-defined]
                     why if why is reason else Failure(why))
 
-    def _dispatch(self, proto: _ChannelsConnection, messages: list[Any]) -> None:
+    def _dispatch(self, proto: _DealerConnection, messages: list[Any]) -> None:
         self._pending = messages
         core = self.core
         channels = core.channels
         # by channel, its messages still to come in this read
-        waiting = self._waiting = {}
-        for item in messages:
-            waiting[item[0]] = waiting.get(item[0], 0) + 1
+        waiting = self._waiting = Counter(channel for channel, _ in messages)
         try:
             for i, item in enumerate(messages):
                 if item is None:
@@ -199,7 +184,7 @@ class StreamChannels(_OneConnection):
         """The far side ended *channel*: acknowledge; up again after the delay."""
         record, why, delay = self.core.endedThere(channel)
         if self.protocol is not None:
-            self.protocol._queueOn(record[:4], record[4:])
+            self.protocol._queue(record[4:], record[:4])
         channel._call = cancel_call(channel._call)
         if why is not None:
             channel.receiver.connectionLost(Failure(why))

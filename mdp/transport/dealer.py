@@ -21,7 +21,7 @@ from mdp.policy import RECONNECT, Limits, LogThrottle, cancel_call, held_bytes
 from mdp.transport.flow import DrainWaiters, after
 from mdp.transport.framed import FramedProtocol
 from mdp.transport.framing import RECORDS
-from mdp.transport.twisted_private import shortcut_reads
+from mdp.transport.twisted_private import call_soon, shortcut_reads
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
@@ -35,7 +35,6 @@ class _DealerConnection(FramedProtocol):
     """The connecting side's protocol, producer of its transport."""
 
     dealer: StreamDealer
-    paused = False
     madeAt: Optional[float] = None  # (over TLS, once the handshake is done)
     proven = False  # something came, or it stayed up PROVEN_AFTER
 
@@ -68,15 +67,10 @@ class _DealerConnection(FramedProtocol):
                   framing=self.framing.name, seconds=self.limits.handshakeTimeout)
 
     reading = False
-    _flushCall: Any = None
 
     def _batchBegun(self) -> None:
         if not self.reading and self._flushCall is None:
-            self._flushCall = self.dealer.reactor.callLater(0, self.flushWrites)
-
-    def flushWrites(self) -> None:
-        self._flushCall = cancel_call(self._flushCall)
-        super().flushWrites()
+            self._flushCall = call_soon(self.dealer.reactor, self._flushTurn)
 
     def dataReceived(self, data: bytes) -> None:
         self.reading = True
@@ -102,10 +96,7 @@ class _DealerConnection(FramedProtocol):
     def connectionLost(self, reason: object = None) -> None:
         self._awaiting = cancel_call(self._awaiting)
         self.paused = False
-        self.reportUnfinished()
-        self._flushCall = cancel_call(self._flushCall)
-        self._out = []
-        self._outBytes = 0
+        super().connectionLost(reason)
         if (not self.proven and self.madeAt is not None
                 and self.dealer.reactor.seconds() - self.madeAt >= PROVEN_AFTER):
             self.proven, self.dealer._unproven = True, 0
@@ -115,9 +106,6 @@ class _DealerConnection(FramedProtocol):
 
     def handshakeCompleted(self) -> None:
         self.madeAt = self.dealer.reactor.seconds()
-
-    def pauseProducing(self) -> None:
-        self.paused = True
 
     def resumeProducing(self) -> None:
         self.paused = False
@@ -148,20 +136,6 @@ class _ReportingEndpoint:
     __repr__ = __str__
 
 
-def _connection(owner: Any, endpoint: str, retryPolicy: Optional[Callable[[int], float]]) -> ClientService:
-    """A started :class:`ClientService` keeping *owner*'s connection."""
-    factory = Factory.forProtocol(lambda: None)
-    factory.buildProtocol = owner._buildProtocol  # type: ignore[method-assign]
-    factory.noisy = False
-    policy = retryPolicy or RECONNECT.retryPolicy()
-    service = ClientService(
-        _ReportingEndpoint(clientFromString(owner.reactor, endpoint), endpoint, owner._failed),
-        factory, retryPolicy=lambda attempt: policy(attempt + max(0, owner._unproven - 1)),
-        clock=owner.reactor)
-    service.startService()
-    return service
-
-
 class _OneConnection:
     """A connecting side's one connection (``protocol``, None while down) and its
     flow control; what is sent meanwhile waits, within ``maxQueued`` and bytes."""
@@ -172,7 +146,6 @@ class _OneConnection:
     service: Optional[ClientService] = None
     _closing: Optional[defer.Deferred[None]] = None
     queuedBytes: int
-    connectionClass: type[_DealerConnection] = _DealerConnection
 
     def __init__(self, endpoint: str, reactor: Any, limits: Limits, framing: Any,
                  identity: Optional[bytes]) -> None:
@@ -185,8 +158,21 @@ class _OneConnection:
         self._throttle = LogThrottle(reactor)
         self._waiters = DrainWaiters()
 
+    def _start(self, retryPolicy: Optional[Callable[[int], float]]) -> None:
+        """Start the :class:`ClientService` keeping the connection."""
+        factory = Factory.forProtocol(lambda: None)
+        factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
+        factory.noisy = False
+        policy = retryPolicy or RECONNECT.retryPolicy()
+        service = ClientService(
+            _ReportingEndpoint(clientFromString(self.reactor, self.endpoint), self.endpoint, self._failed),
+            factory, retryPolicy=lambda attempt: policy(attempt + max(0, self._unproven - 1)),
+            clock=self.reactor)
+        service.startService()
+        self.service = service  # (an attempt failing meanwhile is not reported)
+
     def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = self.connectionClass()
+        proto = _DealerConnection()
         proto.dealer = self  # type: ignore[assignment]
         return proto
 
@@ -223,20 +209,11 @@ class _OneConnection:
         service, self.service = self.service, None
         proto, self.protocol = self.protocol, None
         self._waiters.fire()
-        if service is None:
-            return after(self._closing)
         if proto is not None:
             proto.closeGracefully()
-        stopped: defer.Deferred[None] = defer.Deferred()
-        self._closing = stopped
-
-        def done(result: object) -> None:
-            if self._closing is stopped:
-                self._closing = None
-            stopped.callback(None)
-
-        service.stopService().addBoth(done)
-        return after(stopped)
+        if service is not None:
+            self._closing = service.stopService().addBoth(lambda result: None)
+        return after(self._closing)
 
 
 @implementer(IDealerTransport)
@@ -250,7 +227,7 @@ class StreamDealer(_OneConnection):
         self.receiver = receiver
         self.queue: deque[list[bytes]] = deque()
         self.queuedBytes = 0
-        self.service = _connection(self, endpoint, retryPolicy)
+        self._start(retryPolicy)
 
     @property
     def connected(self) -> bool:

@@ -13,7 +13,6 @@ from twisted.internet.interfaces import IListeningPort
 from mdp.errors import TransportError
 from mdp.transport import tls
 from mdp.transport.registry import LISTEN, bad_endpoint, check_port, split_description
-from mdp.transport.tls import LISTEN_BACKLOG
 
 try:
     import resource
@@ -63,7 +62,7 @@ def raise_descriptor_limit() -> int:
 
 
 def server_description(endpoint: str) -> str:
-    """A server description (client forms too), with :data:`LISTEN_BACKLOG` unless it gives ``backlog=``."""
+    """A server description (client forms too), with ``tls.LISTEN_BACKLOG`` unless it gives ``backlog=``."""
     kind, _, rest = endpoint.partition(":")
     if kind in ("tcp", "tcp6", "ssl") and "host=" in rest:
         rest = ":".join("interface=" + p[len("host="):] if p.startswith("host=") else p
@@ -71,7 +70,7 @@ def server_description(endpoint: str) -> str:
     elif kind == "unix" and rest.startswith("path="):
         rest = f"address={rest[len('path='):]}"
     if kind in ("tcp", "tcp6", "ssl", "unix") and "backlog=" not in rest:
-        rest = f"{rest}:backlog={LISTEN_BACKLOG}"
+        rest = f"{rest}:backlog={tls.LISTEN_BACKLOG}"
     return f"{kind}:{rest}"
 
 

@@ -34,11 +34,13 @@ class FramedProtocol(Protocol):
     dropped = False  # deliver nothing more
     closedHere = False
     refusal: Optional[ProtocolError] = None
+    paused = False
     needsLogContext = False  #: mdp.uvreactor may read without Twisted's legacy log context
 
     _out: list[bytes]
     _outBytes = 0
     _direct = False
+    _flushCall: Any = None
 
     def connectionMade(self) -> None:
         self.decoder = self.framing.decoder(self.limits)
@@ -56,29 +58,33 @@ class FramedProtocol(Protocol):
     def sendFrames(self, frames: list[bytes]) -> None:
         self._queue(self.encode(frames))
 
-    def _queue(self, record: bytes) -> None:
+    def _queue(self, record: bytes, channel: Optional[bytes] = None) -> None:
+        """Send *record* (on *channel*) with the rest of this batch."""
         out = self._out
+        first = not out
+        if channel is not None:
+            out.append(channel)
+            self._outBytes += 4
         out.append(record)
         self._outBytes += len(record)
         if self._outBytes >= FLUSH_BYTES:
             self.flushWrites()
-        elif len(out) == 1:
-            self._batchBegun()
-
-    def _queueOn(self, channel: bytes, record: bytes) -> None:
-        """Send *record* on *channel* with the rest of this batch."""
-        out = self._out
-        out.append(channel)
-        out.append(record)
-        self._outBytes += 4 + len(record)
-        if self._outBytes >= FLUSH_BYTES:
-            self.flushWrites()
-        elif len(out) == 2:
+        elif first:
             self._batchBegun()
 
     def _batchBegun(self) -> None:
         """The first record of a batch is queued: see that it is flushed."""
         raise NotImplementedError
+
+    def _flushTurn(self) -> None:
+        """At the end of the reactor turn (``call_soon``) that scheduled it as ``_flushCall``."""
+        self._flushCall = None
+        self.flushWrites()
+
+    def _cancelFlush(self) -> None:
+        call, self._flushCall = self._flushCall, None
+        if call is not None:
+            call.cancel()
 
     def flushWrites(self) -> None:
         out = self._out
@@ -153,14 +159,20 @@ class FramedProtocol(Protocol):
         self.transport.unregisterProducer()
         self.transport.loseConnection()
 
-    def reportUnfinished(self) -> None:
-        """At connectionLost: warn if the peer closed in the middle of a message."""
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def connectionLost(self, reason: object = None) -> None:
+        """Warn if the peer closed in the middle of a message; let go of what is held."""
         decoder = getattr(self, "decoder", None)
         if decoder is not None and not (self.dropped or self.closedHere) and decoder.inRecord:
             self._warn("unfinished", "stream peer {peer} closed its connection in the middle of a "
                        "message ({held} bytes of it received): that message is lost",
                        held=decoder.buffered)
         getattr(decoder, "release", int)()  # what an unfinished record held, at once
+        self._cancelFlush()
+        self._out = []
+        self._outBytes = 0
 
     def peerName(self) -> str:
         try:

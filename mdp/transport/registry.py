@@ -99,7 +99,7 @@ def bare_address(endpoint: str) -> Optional[str]:
     return None if name in _schemes or name in _ZMQ_TRANSPORTS else endpoint
 
 
-def lookup(endpoint: object, role: str) -> Scheme:
+def lookup(endpoint: object, role: str = CONNECT) -> Scheme:
     """The :class:`Scheme` for *endpoint*, checked for *role*; raises :class:`TransportError`."""
     if not isinstance(endpoint, str):
         raise TransportError(f"an endpoint is a string, not {type(endpoint).__name__}: {endpoint!r}")
@@ -123,8 +123,7 @@ def lookup(endpoint: object, role: str) -> Scheme:
     return scheme
 
 
-def check(endpoint: object, role: str = CONNECT) -> None:
-    lookup(endpoint, role)
+check = lookup  #: (by the name its callers use: they want only its errors)
 
 
 def _twisted_plugin_scheme(name: str) -> Optional[Scheme]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict, deque
+from functools import cached_property
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -53,9 +54,7 @@ class _RouterConnection(FramedProtocol):
     greeted = False  # its handshake is done
     useful = False  # never closed to make room
     host: Optional[str] = None
-    paused = False
     makingRoom = False
-    tlsSubject: Any = False
     _timer: Any = None
     backlogBytes = 0
     _recordsAtArm = -1
@@ -80,11 +79,10 @@ class _RouterConnection(FramedProtocol):
         self.transport.registerProducer(self, True)
         self._arm(self.limits.handshakeTimeout, "sent no message within {seconds:g}s of connecting")
 
-    def subject(self) -> Optional[str]:
-        if self.tlsSubject is False:
-            certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
-            self.tlsSubject = subject(certificate) if certificate is not None else None
-        return self.tlsSubject  # type: ignore[no-any-return]
+    @cached_property
+    def tlsSubject(self) -> Optional[str]:
+        certificate = getattr(self.transport, "getPeerCertificate", lambda: None)()
+        return None if certificate is None else subject(certificate)
 
     def _deliver(self, frames: list[bytes]) -> None:
         router = self.router
@@ -119,30 +117,21 @@ class _RouterConnection(FramedProtocol):
             elif peer != self.peer:  # announced: an older holder is dropped
                 old = router.connections.get(peer)
                 if old is not None and old is not self:
-                    if old.subject() != self.subject():
+                    if old.tlsSubject != self.tlsSubject:
                         self.drop("it announced identity {identity}, held by a connection with "
                                   "another TLS certificate", identity=peer.hex())
                         return
                     old.drop("a newer connection took over its identity {identity}", identity=peer.hex())
                     if old.useful:
+                        self.greeted = True
                         self.markUseful()
                 router.connections.pop(self.peer, None)
                 router.connections[peer] = self
                 self.peer = peer
-        if not self.useful:
-            self._spoke()
-        router.receiver.messageReceived(peer, frames)
-
-    def _spoke(self) -> None:
-        """A message from a peer not useful yet: the last to make room."""
-        if not self.greeted:
+        if not self.useful:  # (dataReceived ends the handshake timer)
             self.greeted = True
-            self._timer = cancel_call(self._timer)
-        self._unrank()
-        if not self.router.judged:
-            self.useful = True
-        elif not self.dropped:
-            self.router.spoken[self] = self.hostRanks[1][self] = None
+            self.markUseful(not router.judged)  # judged: the last to make room
+        router.receiver.messageReceived(peer, frames)
 
     def markUseful(self, useful: bool = True) -> None:
         self.useful = useful
@@ -180,26 +169,15 @@ class _RouterConnection(FramedProtocol):
             self._end(channel)
         self.router.reactor.callLater(0, self.router._channelEnded, peer)
 
-    _turnCall: Any = None
-
     def _batchBegun(self) -> None:
-        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
-            if self._turnCall is None:
-                self._turnCall = call_soon(self.router.reactor, self._flushTurn)
-            return
         router = self.router
+        if getattr(self.decoder, "channels", False):  # (sent together at the turn's end)
+            if self._flushCall is None:
+                self._flushCall = call_soon(router.reactor, self._flushTurn)
+            return
         router.dirty.append(self)
         if not router.reading and router.flushCall is None:
             router.flushCall = router.reactor.callLater(0, router.flushWrites)
-
-    def _flushTurn(self) -> None:
-        self._turnCall = None
-        self.flushWrites()
-
-    def _cancelTurn(self) -> None:
-        call, self._turnCall = self._turnCall, None
-        if call is not None:
-            call.cancel()
 
     def dataReceived(self, data: bytes) -> None:
         router = self.router
@@ -209,7 +187,6 @@ class _RouterConnection(FramedProtocol):
             decoder = self.decoder
             if not self.greeted and not self.closing and getattr(decoder, "handshaken", False):
                 self.greeted = True  # its framing's handshake (SP's header)
-                self._timer = cancel_call(self._timer)
             if not self.greeted or self.closing:
                 return
             if decoder.inRecord:
@@ -239,10 +216,8 @@ class _RouterConnection(FramedProtocol):
         record = self.encode(frames)
         if self.paused or self.backlog:
             self._hold(record if channel is None else channel + record)
-        elif channel is None:
-            self._queue(record)
         else:
-            self._queueOn(channel, record)
+            self._queue(record, channel)
 
     def _hold(self, record: bytes) -> None:
         self.backlog.append(record)
@@ -252,9 +227,6 @@ class _RouterConnection(FramedProtocol):
             self.drop("it reads slower than it is sent to ({held} bytes unsent, over the limit "
                       "of {limit})", held=self.backlogBytes, limit=self.limits.maxOutputBytes)
             self.stopProducing()
-
-    def pauseProducing(self) -> None:
-        self.paused = True
 
     def resumeProducing(self) -> None:
         self.paused = False
@@ -284,11 +256,8 @@ class _RouterConnection(FramedProtocol):
         StreamRouter.accepted -= 1
         if self.makingRoom:
             StreamRouter.makingRoom -= 1
-        self.reportUnfinished()
+        super().connectionLost(reason)
         self._timer = cancel_call(self._timer)
-        self._cancelTurn()
-        self._out = []
-        self._outBytes = 0
         self.backlog.clear()
         router = self.router
         self._unrank()
@@ -459,17 +428,13 @@ class StreamRouter:
                framing: IFraming = RECORDS) -> defer.Deferred[StreamRouter]:
         router = cls(receiver, reactor, limits=limits, framing=framing)
         description = server_description(endpoint)
-        try:
-            server = server_endpoint(reactor, description)
-        except TransportError as e:
-            return defer.fail(e)
-        factory = router.factory()
-        router.wrapped = description.partition(":")[0].lower() not in ("tcp", "tcp6", "unix")
+        kind = description.partition(":")[0]
+        router.wrapped = kind.lower() not in ("tcp", "tcp6", "unix")
         router._listening = True
 
         def listening(port: IListeningPort) -> StreamRouter:
             router.port = port
-            router.endpoint = connect_description(description.partition(":")[0], port)
+            router.endpoint = connect_description(kind, port)
             router._checkBudget()
             return router
 
@@ -479,7 +444,8 @@ class StreamRouter:
             return Failure(TransportError(f"cannot listen on {endpoint}: "
                                           f"{failure.getErrorMessage()}"))
 
-        return server.listen(factory).addCallbacks(listening, failed)
+        bound = defer.maybeDeferred(lambda: server_endpoint(reactor, description).listen(router.factory()))
+        return bound.addCallbacks(listening, failed)
 
     def peerAddress(self, peer: bytes) -> Optional[str]:
         connection = self._connectionOf(peer)
@@ -487,7 +453,7 @@ class StreamRouter:
 
     def peerIdentity(self, peer: bytes) -> Optional[str]:
         connection = self._connectionOf(peer)
-        return None if connection is None else connection.subject()
+        return None if connection is None else connection.tlsSubject
 
     def _connectionOf(self, peer: bytes) -> Optional[_RouterConnection]:
         return self.connections.get(peer) or self.channels.get(peer, (None, b""))[0]
@@ -518,7 +484,7 @@ class StreamRouter:
         for connection in list(self.connections.values()):
             connection.closedHere = True
             connection.dropped = True
-            connection._cancelTurn()
+            connection._cancelFlush()
             connection.transport.abortConnection()
         self.connections.clear()
         self.ungreeted.clear()

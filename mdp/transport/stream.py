@@ -11,7 +11,6 @@ from mdp.transport.channels import StreamChannels
 from mdp.transport.dealer import PROVEN_AFTER, StreamDealer
 from mdp.transport.endpoints import (
     DESCRIPTOR_RESERVE,
-    LISTEN_BACKLOG,
     SELECT_LIMIT,
     STREAM_SCHEMES,
     UNIX_PATH_MAX,
@@ -26,7 +25,7 @@ from mdp.transport.endpoints import (
 from mdp.transport.framed import FLUSH_BYTES, FramedProtocol
 from mdp.transport.registry import Scheme
 from mdp.transport.router import MAX_UNACKNOWLEDGED, StreamRouter
-from mdp.transport.tls import CA_CERTS
+from mdp.transport.tls import CA_CERTS, LISTEN_BACKLOG
 
 __all__ = [
     "CA_CERTS", "DESCRIPTOR_RESERVE", "FLUSH_BYTES", "LISTEN_BACKLOG", "MAX_UNACKNOWLEDGED",
