@@ -82,6 +82,13 @@ def test_an_oversized_message_is_refused_from_its_length() -> None:
     assert decoder.buffered <= 8
 
 
+def test_messages_before_an_oversized_one_in_the_same_piece_are_handed_over() -> None:
+    decoder = SPFraming(REP).decoder(Limits(maxMessageBytes=1024))
+    with pytest.raises(RecordTooLarge) as refused:
+        decoder.feed(header(REQ) + encode_message(b"first") + struct.pack(">Q", 2 ** 40))
+    assert refused.value.decoded == [[b"first"]]
+
+
 # --- backtraces and ids -------------------------------------------------------------------
 
 

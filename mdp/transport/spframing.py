@@ -87,8 +87,10 @@ class SPDecoder(framing.ChargedDecoder):
             while len(buf) - pos >= 8:
                 (length,) = _length.unpack_from(buf, pos)
                 if length > self.limits.maxMessageBytes:
-                    raise RecordTooLarge(f"SP message of {length} bytes announced, over the "
-                                         f"limit of {self.limits.maxMessageBytes}")
+                    error = RecordTooLarge(f"SP message of {length} bytes announced, over the "
+                                           f"limit of {self.limits.maxMessageBytes}")
+                    error.decoded = messages  # (delivered before the stream is refused)
+                    raise error
                 if len(buf) - pos - 8 < length:
                     break
                 messages.append([bytes(view[pos + 8:pos + 8 + length])])
