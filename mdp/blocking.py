@@ -27,7 +27,6 @@ from mdp.majordomo.client_machine import (
     SendOn,
     _Call,
     _Channel,
-    check_count,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
 from mdp.majordomo.worker import (
@@ -38,7 +37,7 @@ from mdp.majordomo.worker import (
 )
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, whole_number
 from mdp.transport import curve_for, endpoint_list
 from mdp.transport.pipes import (
     STREAM_SCHEMES,
@@ -252,7 +251,7 @@ class Client(ClientDriver):
         """One request per item (``bytes``/``str``: one frame; a sequence: its frames), up to *window* in
         flight; yield the replies **in order**.  The first failure raises, or with *returnExceptions* is
         yielded in its place; stopping early abandons what is in flight."""
-        check_count("window", window, "requests")
+        whole_number("window", window)
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
@@ -450,7 +449,7 @@ class Worker(WorkerDriver):
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
                  concurrency: int = 1) -> None:
         _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
-        check_count("concurrency", concurrency, "requests served at once")
+        whole_number("concurrency", concurrency)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         super().__init__(endpoint, service, handler, _CLOCK, **options)

@@ -71,7 +71,7 @@ from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
-from mdp.policy import MAX_SECONDS, EndpointRotation, Limits
+from mdp.policy import MAX_SECONDS, EndpointRotation, Limits, whole_number
 
 _HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
 _ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
@@ -90,13 +90,6 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-
-
-def check_count(name: str, value: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} is a number of {what}, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 class CallState(enum.Enum):
@@ -213,7 +206,7 @@ class ClientMachine(Machine):
                  stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
         _check_attempts(timeout, retries)
-        check_count("maxConnections", maxConnections, "connections")
+        whole_number("maxConnections", maxConnections)
         self._rotation = EndpointRotation(endpoints)
         self.timeout = timeout
         self.retries = retries

@@ -50,9 +50,11 @@ from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
-from mdp.majordomo.client_machine import check_count, unreachable
+from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
     RFC,
+    W_FINAL,
+    W_PARTIAL,
     W_REQUEST,
     WORKER_HEADER,
     Disconnect,
@@ -60,7 +62,7 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
     WorkerRequest,
-    encode_worker_reply,
+    encode_worker,
 )
 from mdp.majordomo.idempotence import STAMP_MARKER
 from mdp.messages import text as label
@@ -74,6 +76,7 @@ from mdp.policy import (
     LogThrottle,
     cancel_call,
     default_reactor,
+    whole_number,
 )
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
@@ -340,7 +343,8 @@ class WorkerMachine(Machine):
             self._outbox.append(StoreReply(job.key, frames))
         if not current:
             return False
-        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
+        self._outbox.append(SendToBroker(encode_worker(
+            W_FINAL if final else W_PARTIAL, job.client, frames, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
@@ -460,7 +464,7 @@ class Worker(WorkerDriver):
                  limits: Limits = Limits(), metrics: Optional[Any] = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
                  concurrency: int = 1) -> None:
-        check_count("concurrency", concurrency, "requests served at once")
+        whole_number("concurrency", concurrency)
         reactor = default_reactor(reactor)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret)
