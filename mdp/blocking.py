@@ -360,7 +360,6 @@ class Client(ClientDriver):
     def _cancel(self, call: _Call) -> None:
         if call.result is self._unanswered:
             call.result = ClientClosed("request abandoned")
-            call.onPartial = call.onRestart = None
             try:
                 self._perform(self.machine.handleCancel(call, monotonic()))
             except BaseException:
@@ -400,7 +399,6 @@ class Client(ClientDriver):
                 call = action.call
                 if call.result is self._unanswered:
                     call.result = action.body if kind is Complete else action.error
-                call.onPartial = call.onRestart = None
             else:
                 self._act(action)
         if self._loop.idle:
@@ -530,15 +528,8 @@ class Worker(WorkerDriver):
         self._reopenAt = monotonic() + delay
 
     def _open(self, endpoint: str) -> None:
-        try:
-            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
-                                   shared=self._threads is not None)
-        except Exception as e:  # no socket to be had (out of descriptors)
-            error = TransportError(f"cannot connect to {endpoint!r}: {e}")
-            error.__cause__ = e
-            self._openFailed(error)
-            return
-        self.transport = pipe
+        pipe = self.transport = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
+                                                shared=self._threads is not None)
         if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 

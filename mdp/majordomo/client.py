@@ -205,7 +205,6 @@ class Client(ClientDriver):
 
     def _cancel(self, call: _Call) -> None:
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
-        call.onPartial = call.onRestart = None
 
     def _wake(self) -> None:
         self._timer = None
@@ -223,9 +222,7 @@ class Client(ClientDriver):
             if kind is SendOn:
                 self._send(action.channel, action.frames)
             elif kind is Complete or kind is Fail:
-                call = action.call
-                call.onPartial = call.onRestart = None
-                deferred = call.deferred
+                deferred = action.call.deferred
                 if deferred.called:  # (cancelled by an earlier action's callback)
                     pass
                 elif kind is Complete:

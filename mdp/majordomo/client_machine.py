@@ -664,7 +664,7 @@ class ClientMachine(Machine):
             return False
         call.state = DONE
         self._live -= 1
-        call.message = None
+        call.message = call.onPartial = call.onRestart = None  # (the caller's callbacks go too)
         if state is QUEUED:
             self._waitingDone += 1
             waiting = self._waiting

@@ -45,7 +45,7 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
-from mdp.errors import ProtocolError, TransportError
+from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
@@ -403,7 +403,13 @@ class WorkerDriver:
                 defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                     _storeFailed)
         elif kind is OpenPipe:
-            self._open(action.endpoint)
+            try:
+                self._open(action.endpoint)
+            except Exception as error:  # no socket to be had (out of descriptors): as a pipe never up
+                log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
+                          "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
+                          service=label(self.machine.service), endpoint=action.endpoint, error=error,
+                          expiry=self.machine.heartbeat.expiry)
         elif kind is ClosePipe:
             pipe, self.transport = self.transport, None
             if pipe is not None:
@@ -417,14 +423,6 @@ class WorkerDriver:
     def _ready(self) -> None:
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
                  service=label(self.machine.service), endpoint=self.machine.endpoint)
-
-    def _openFailed(self, error: BaseException) -> None:
-        """The pipe could not be opened: as one that never comes up."""
-        machine = self.machine
-        log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
-                  "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
-                  service=label(machine.service), endpoint=machine.endpoint, error=error,
-                  expiry=machine.heartbeat.expiry)
 
     def _report(self, action: Action) -> None:
         """Log what the machine reports (throttled where the broker could flood it)."""
@@ -579,17 +577,14 @@ class Worker(WorkerDriver):
     def _open(self, endpoint: str) -> None:
         options = dict(retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
                        security=transport.curve_for(endpoint, self.curve))
-        try:
-            if self.links is None:
-                self.transport = transport.connect(endpoint, self, self.reactor, **options)
-                return
-            link = self.links.get(endpoint)
-            if link is None:
-                link = self.links[endpoint] = transport.connect_channels(
-                    endpoint, self.reactor, relayProbe=codec.RELAY_PROBE, **options)
-            self.transport = link.open(self)
-        except TransportError as e:  # (out of descriptors)
-            self._openFailed(e)
+        if self.links is None:
+            self.transport = transport.connect(endpoint, self, self.reactor, **options)
+            return
+        link = self.links.get(endpoint)
+        if link is None:
+            link = self.links[endpoint] = transport.connect_channels(
+                endpoint, self.reactor, relayProbe=codec.RELAY_PROBE, **options)
+        self.transport = link.open(self)
 
     def connectionMade(self) -> None:
         self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
