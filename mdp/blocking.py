@@ -312,7 +312,6 @@ class Client(ClientDriver):
         if self._forks != _forks:  # the sockets are the parent's: left alone
             self.machine = self.machine.fresh(monotonic())
             self._loop = _Loop(self.limits, None)
-        self._closed = True
         self._perform(self.machine.handleClose(monotonic()))
         self._loop.shutdown()
 
@@ -373,7 +372,7 @@ class Client(ClientDriver):
         self._unanswered = object()
         self._wakeTime = None
         loop = self._loop
-        if not self._closed:  # first: a second interrupt below still leaves a usable loop
+        if not self.machine.closed:  # first: a second interrupt below still leaves a usable loop
             self._loop = _Loop(self.limits, loop._zmqContext)
         loop.shutdown()
 

@@ -98,7 +98,6 @@ class ClientDriver:
         self.machine = ClientMachine(endpoints, limits=limits, now=clock.seconds(), **options)
         self.limits = limits
         self.throttle = LogThrottle(clock)
-        self._closed = False
         self._wakeTime: Optional[float] = None
 
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
@@ -110,7 +109,7 @@ class ClientDriver:
             self._wakeBy(action.when)
         elif kind is OpenChannel:
             # (an earlier action's callback may have closed the client)
-            if not self._closed and self.machine.holds(action.channel):
+            if not self.machine.closed and self.machine.holds(action.channel):
                 self._open(action.channel)
         elif kind is CloseChannel:
             self._close(action.channel)
@@ -198,7 +197,6 @@ class Client(ClientDriver):
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close; the
         Deferred fires once every connection is closed."""
-        self._closed = True
         self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
@@ -213,7 +211,7 @@ class Client(ClientDriver):
     def _wakeBy(self, when: Optional[float]) -> None:
         """Arm the timer for a :class:`WakeAt` (the machine asks only for an
         earlier one); once closed, none is armed."""
-        self._timer = call_at(self._timer, self.reactor, None if self._closed else when, self._wake)
+        self._timer = call_at(self._timer, self.reactor, None if self.machine.closed else when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order."""

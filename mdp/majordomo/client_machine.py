@@ -222,7 +222,7 @@ class ClientMachine(Machine):
         self._waiting: deque[_Call] = deque()
         self._waitingDone = 0  # done calls still in _waiting
         self._live = 0
-        self._closed = False
+        self.closed = False
         self._abandoned = 0  # at least the connections kept for a done request's reply
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
@@ -254,7 +254,7 @@ class ClientMachine(Machine):
             timeout, retries = self.timeout, self.retries
         else:
             timeout, retries = self.attempts(timeout, retries)
-        if self._closed:
+        if self.closed:
             raise ClientClosed("client is closed")
         return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
                      onRestart, now)
@@ -295,7 +295,7 @@ class ClientMachine(Machine):
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
         machine.clientId, machine._sequence = self.clientId, self._sequence
-        machine._closed = self._closed
+        machine.closed = self.closed
         return machine
 
     def holds(self, channel: _Channel) -> bool:
@@ -307,7 +307,7 @@ class ClientMachine(Machine):
         self._live += 1
         self._schedule(call)
         idle = self._idle
-        if idle and not self._waiting and not self._closed:
+        if idle and not self._waiting and not self.closed:
             self._assign(idle.pop(), call)
         else:
             self._enqueue(call)
@@ -415,7 +415,7 @@ class ClientMachine(Machine):
     def handleClose(self, now: float) -> list[Action]:
         """Fail every pending request with :class:`ClientClosed`; close all."""
         self.now = now
-        self._closed = True
+        self.closed = True
         if self._wakeAt is not None:
             self._wakeAt = None
             self._outbox.append(WakeAt(None))
@@ -459,7 +459,7 @@ class ClientMachine(Machine):
             self._waiting.append(call)
 
     def _pump(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         waiting = self._waiting
         while waiting:
