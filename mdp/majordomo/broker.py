@@ -273,10 +273,6 @@ class Broker:
         """:meth:`BrokerMachine.isServiceAvailable` now."""
         return self.machine.isServiceAvailable(name, self.reactor.seconds())
 
-    def admissionStatus(self) -> Optional[dict[str, Any]]:
-        """:meth:`BrokerMachine.admissionStatus` now."""
-        return self.machine.admissionStatus(self.reactor.seconds())
-
     def listen(self, endpoint: str, clients: bool = True,
                workers: bool = True) -> defer.Deferred[IRouterTransport]:
         """Bind *endpoint* for clients, workers or both.  A malformed endpoint raises
