@@ -112,7 +112,9 @@ class ClientDriver:
             if not self.machine.closed and self.machine.holds(action.channel):
                 self._open(action.channel)
         elif kind is CloseChannel:
-            self._close(action.channel)
+            pipe, action.channel.pipe = action.channel.pipe, None
+            if pipe is not None:
+                pipe.close()
         elif kind is Dropped:
             self.throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
                                endpoint=action.endpoint, reason=action.reason)
@@ -135,11 +137,6 @@ class ClientDriver:
             except Exception:
                 log.failure("{name} callback for {service} failed", service=label(call.service),
                             name="onPartial" if partial else "onRestart")
-
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            pipe.close()
 
     def _stale(self, channel: _Channel) -> None:
         """What came on *channel* before its request was dropped."""

@@ -402,33 +402,21 @@ class WorkerDriver:
             if self.replies is not None:
                 defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                     _storeFailed)
-        elif kind is OpenPipe:
+            return None
+        service = label(self.machine.service)
+        if kind is OpenPipe:
             try:
                 self._open(action.endpoint)
             except Exception as error:  # no socket to be had (out of descriptors): as a pipe never up
                 log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
                           "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
-                          service=label(self.machine.service), endpoint=action.endpoint, error=error,
+                          service=service, endpoint=action.endpoint, error=error,
                           expiry=self.machine.heartbeat.expiry)
         elif kind is ClosePipe:
             pipe, self.transport = self.transport, None
             if pipe is not None:
                 return pipe.close()
-        else:
-            self._report(action)
-            if kind is ReopenAfter:
-                self._reopenAfter(action.delay)
-        return None
-
-    def _ready(self) -> None:
-        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
-                 service=label(self.machine.service), endpoint=self.machine.endpoint)
-
-    def _report(self, action: Action) -> None:
-        """Log what the machine reports (throttled where the broker could flood it)."""
-        kind = type(action)
-        service = label(self.machine.service)
-        if kind is ReopenAfter:
+        elif kind is ReopenAfter:
             if action.silent is None:
                 log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
                          service=service, delay=action.delay)
@@ -436,7 +424,14 @@ class WorkerDriver:
                 log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
                          "reconnects in {delay:g}s", endpoint=action.endpoint,
                          silence=action.silent, service=service, delay=action.delay)
-        elif kind is Dropped:
+            self._reopenAfter(action.delay)
+        else:
+            self._report(kind, action, service)
+        return None
+
+    def _report(self, kind: type, action: Action, service: str) -> None:
+        """Log what the machine reports (throttled where the broker could flood it)."""
+        if kind is Dropped:
             self.throttle.warn(log, "dropped", "worker for {service} dropped a message from the "
                                "broker: {reason}", service=service, reason=action.reason)
         elif kind is Refused:
@@ -446,9 +441,13 @@ class WorkerDriver:
         elif kind is Lost:
             log.info("worker for {service} lost {endpoint} ({why}); reconnecting",
                      service=service, endpoint=action.endpoint, why=action.why)
-        elif kind is ConnectFailed:
+        else:
             log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
                      service=service, endpoint=action.endpoint, error=action.why)
+
+    def _ready(self) -> None:
+        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
+                 service=label(self.machine.service), endpoint=self.machine.endpoint)
 
 
 class Worker(WorkerDriver):
