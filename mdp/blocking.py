@@ -29,12 +29,7 @@ from mdp.majordomo.client_machine import (
     _Channel,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
-from mdp.majordomo.worker import (
-    STOPPED,
-    SendToBroker,
-    Serve,
-    WorkerDriver,
-)
+from mdp.majordomo.worker import STOPPED, SendToBroker, Serve, WorkerDriver
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, whole_number
