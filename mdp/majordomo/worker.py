@@ -496,13 +496,9 @@ class Worker(WorkerDriver):
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up (each session's)."""
         for session in self.sessions:
-            session._start()
-
-    def _start(self) -> None:
-        if self.machine.state is not STOPPED:
-            return
-        self._perform(self.machine.handleStart(self.reactor.seconds()))
-        self._ticker.start(self.machine.wakeEvery, now=False)
+            if session.machine.state is STOPPED:
+                session._perform(session.machine.handleStart(self.reactor.seconds()))
+                session._ticker.start(session.machine.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
         """Say DISCONNECT to the broker (if registered) and close (every
