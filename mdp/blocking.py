@@ -494,16 +494,6 @@ class Worker(WorkerDriver):
                 session._perform(session.machine.handleStop(monotonic()))
         return all(session.machine.state is STOPPED for session in self.sessions)
 
-    def _pipeUp(self, tag: Any, now: float) -> None:
-        self._perform(self.machine.handlePipeUp(now))
-        self._ready()
-
-    def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self._perform(self.machine.handlePipeLost(now, why))
-
-    def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        self._perform(self.machine.handleConnectFailed(error, now))
-
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
         self._perform(self.machine.handleMessage(frames, now))
 

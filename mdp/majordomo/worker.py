@@ -445,9 +445,17 @@ class WorkerDriver:
             log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
                      service=service, endpoint=action.endpoint, error=action.why)
 
-    def _ready(self) -> None:
+    # the pipe's events, as the blocking pipes report them (*tag*: unused)
+    def _pipeUp(self, tag: Any, now: float) -> None:
+        self._perform(self.machine.handlePipeUp(now))
         log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
                  service=label(self.machine.service), endpoint=self.machine.endpoint)
+
+    def _pipeLost(self, tag: Any, why: object, now: float) -> None:
+        self._perform(self.machine.handlePipeLost(now, why))
+
+    def _pipeFailed(self, tag: Any, error: object, now: float) -> None:
+        self._perform(self.machine.handleConnectFailed(error, now))
 
 
 class Worker(WorkerDriver):
@@ -582,14 +590,13 @@ class Worker(WorkerDriver):
         self.transport = link.open(self)
 
     def connectionMade(self) -> None:
-        self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
-        self._ready()
+        self._pipeUp(None, self.reactor.seconds())
 
     def connectionLost(self, reason: object) -> None:
-        self._perform(self.machine.handlePipeLost(self.reactor.seconds(), reason))
+        self._pipeLost(None, reason, self.reactor.seconds())
 
     def connectionFailed(self, reason: object) -> None:
-        self._perform(self.machine.handleConnectFailed(reason, self.reactor.seconds()))
+        self._pipeFailed(None, reason, self.reactor.seconds())
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(frames, self.reactor.seconds()))
