@@ -27,18 +27,12 @@ from mdp.majordomo.client_machine import (
     SendOn,
     _Call,
     _Channel,
-    check_count,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
-from mdp.majordomo.worker import (
-    STOPPED,
-    SendToBroker,
-    Serve,
-    WorkerDriver,
-)
+from mdp.majordomo.worker import STOPPED, SendToBroker, Serve, WorkerDriver
 from mdp.messages import Frame
 from mdp.messages import text as label
-from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits
+from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, whole_number
 from mdp.transport import curve_for, endpoint_list
 from mdp.transport.pipes import (
     STREAM_SCHEMES,
@@ -252,7 +246,7 @@ class Client(ClientDriver):
         """One request per item (``bytes``/``str``: one frame; a sequence: its frames), up to *window* in
         flight; yield the replies **in order**.  The first failure raises, or with *returnExceptions* is
         yielded in its place; stopping early abandons what is in flight."""
-        check_count("window", window, "requests")
+        whole_number("window", window)
         if window > self.machine.maxConnections:
             raise ValueError(f"window {window} is over maxConnections {self.machine.maxConnections}: "
                              "requests past it would wait, their attempts running")
@@ -313,7 +307,6 @@ class Client(ClientDriver):
         if self._forks != _forks:  # the sockets are the parent's: left alone
             self.machine = self.machine.fresh(monotonic())
             self._loop = _Loop(self.limits, None)
-        self._closed = True
         self._perform(self.machine.handleClose(monotonic()))
         self._loop.shutdown()
 
@@ -361,7 +354,6 @@ class Client(ClientDriver):
     def _cancel(self, call: _Call) -> None:
         if call.result is self._unanswered:
             call.result = ClientClosed("request abandoned")
-            call.onPartial = call.onRestart = None
             try:
                 self._perform(self.machine.handleCancel(call, monotonic()))
             except BaseException:
@@ -375,7 +367,7 @@ class Client(ClientDriver):
         self._unanswered = object()
         self._wakeTime = None
         loop = self._loop
-        if not self._closed:  # first: a second interrupt below still leaves a usable loop
+        if not self.machine.closed:  # first: a second interrupt below still leaves a usable loop
             self._loop = _Loop(self.limits, loop._zmqContext)
         loop.shutdown()
 
@@ -401,7 +393,6 @@ class Client(ClientDriver):
                 call = action.call
                 if call.result is self._unanswered:
                     call.result = action.body if kind is Complete else action.error
-                call.onPartial = call.onRestart = None
             else:
                 self._act(action)
         if self._loop.idle:
@@ -450,7 +441,7 @@ class Worker(WorkerDriver):
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
                  concurrency: int = 1) -> None:
         _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
-        check_count("concurrency", concurrency, "requests served at once")
+        whole_number("concurrency", concurrency)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret)
         super().__init__(endpoint, service, handler, _CLOCK, **options)
@@ -503,16 +494,6 @@ class Worker(WorkerDriver):
                 session._perform(session.machine.handleStop(monotonic()))
         return all(session.machine.state is STOPPED for session in self.sessions)
 
-    def _pipeUp(self, tag: Any, now: float) -> None:
-        self._perform(self.machine.handlePipeUp(now))
-        self._ready()
-
-    def _pipeLost(self, tag: Any, why: BaseException, now: float) -> None:
-        self._perform(self.machine.handlePipeLost(now, why))
-
-    def _pipeFailed(self, tag: Any, error: BaseException, now: float) -> None:
-        self._perform(self.machine.handleConnectFailed(error, now))
-
     def _pipeMessage(self, tag: Any, frames: list[bytes], now: float) -> None:
         self._perform(self.machine.handleMessage(frames, now))
 
@@ -531,15 +512,8 @@ class Worker(WorkerDriver):
         self._reopenAt = monotonic() + delay
 
     def _open(self, endpoint: str) -> None:
-        try:
-            pipe = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
-                                   shared=self._threads is not None)
-        except Exception as e:  # no socket to be had (out of descriptors)
-            error = TransportError(f"cannot connect to {endpoint!r}: {e}")
-            error.__cause__ = e
-            self._openFailed(error)
-            return
-        self.transport = pipe
+        pipe = self.transport = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
+                                                shared=self._threads is not None)
         if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 

@@ -8,8 +8,7 @@ import select
 import threading
 from collections import deque
 from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
@@ -87,7 +86,7 @@ class HandlerThreads:
                   served: bool = False, raised: Optional[BaseException] = None) -> bool:
         """Give a reply part to the loop; a PARTIAL waits until it is on its
         way (paced by its connection): True if it went out."""
-        ack = SimpleNamespace(event=threading.Event(), sent=False) if kind is WorkerPartial else None
+        ack: Optional[Future[bool]] = Future() if kind is WorkerPartial else None
         with self.lock:
             if self.closed:
                 return False
@@ -95,12 +94,7 @@ class HandlerThreads:
             self.done.append((session, job, kind, frames, ack, served, raised))
             if wake:
                 self._wake()
-        if ack is None:
-            return True
-        while not ack.event.wait(1.0):
-            if self.closed:
-                return False
-        return ack.sent
+        return True if ack is None else ack.result()  # (close() settles every ack)
 
     def wait(self, timeout: int) -> None:
         """The loop's only descriptor (every session between connections):
@@ -133,12 +127,10 @@ class HandlerThreads:
                         self._wake()
                 raise
             finally:
-                if ack is not None:  # its handler waits for it
-                    ack.sent = sent
-                    if sent:  # let go once its connection has taken it (release)
-                        self.paced.append((session, job, ack))
-                    else:
-                        ack.event.set()
+                if ack is not None and sent:  # its handler waits until its connection has taken it
+                    self.paced.append((session, job, ack))
+                elif ack is not None:
+                    ack.set_result(False)
 
     def _wake(self) -> None:
         """Wake the loop (with the lock held)."""
@@ -157,8 +149,7 @@ class HandlerThreads:
             if current and pipe is not None and pipe.draining:
                 waiting.append((session, job, ack))
             else:
-                ack.sent = current
-                ack.event.set()
+                ack.set_result(current)
         self.paced = waiting
 
     def close(self) -> None:
@@ -173,6 +164,6 @@ class HandlerThreads:
             os.close(self.wakeFd)
             os.close(self.writeFd)
         for ack in waiting + [ack for _, _, ack in self.paced]:
-            ack.event.set()
+            ack.set_result(False)
         self.paced = []
         self.executor.shutdown(wait=False)

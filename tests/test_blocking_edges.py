@@ -893,7 +893,7 @@ class CountingContext:
 
     def socket(self, kind: int) -> Any:
         sock = self.real.socket(kind)
-        self.made.append((sock, bool(self.client is not None and self.client._closed)))
+        self.made.append((sock, bool(self.client is not None and self.client.machine.closed)))
         return sock
 
     def finish(self) -> None:

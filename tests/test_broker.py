@@ -127,7 +127,7 @@ async def test_worker_table_is_bounded(clocknet: LoopbackNet) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_snapshot_is_a_read_only_view(clocknet: LoopbackNet) -> None:
-    from mdp.majordomo.broker import BrokerSnapshot, ServiceSnapshot
+    from mdp.majordomo.broker_records import BrokerSnapshot, ServiceSnapshot
 
     broker, endpoint = await start_broker(clocknet)
     busy = RawPeer(clocknet, endpoint)
@@ -197,7 +197,7 @@ def test_its_records_show_their_fields() -> None:
     """A request and a worker as the broker holds them, in a log line or a
     debugger: every field by name (plain classes, compiled as extension
     types, show what attrs ones did)."""
-    from mdp.majordomo.broker import IDLE, NEW, PendingRequest, WorkerRef
+    from mdp.majordomo.broker_records import IDLE, NEW, PendingRequest, WorkerRef
 
     request = PendingRequest(("binding", b"peer"), b"echo", [b"x"], codec.RFC, 1.5, 10)
     assert repr(request) == (

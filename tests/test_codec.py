@@ -91,12 +91,12 @@ def test_malformed_input_is_rejected_precisely(frames: list[bytes], reason: str)
 
 
 def test_service_name_accepts_str_and_bytes() -> None:
-    assert codec.service_name("echo") == b"echo"
-    assert codec.service_name(b"echo") == b"echo"
-    with pytest.raises(ProtocolError, match="not ASCII"):
-        codec.service_name("écho")
-    with pytest.raises(ProtocolError, match="empty"):
-        codec.service_name("")
+    assert codec.api_service_name("echo") == b"echo"
+    assert codec.api_service_name(b"echo") == b"echo"
+    with pytest.raises(ValueError, match="not ASCII"):
+        codec.api_service_name("écho")
+    with pytest.raises(ValueError, match="empty"):
+        codec.api_service_name("")
 
 
 def test_error_body_round_trip() -> None:
@@ -152,7 +152,7 @@ def test_decode_of_headed_messages_is_total(header: bytes, command: bytes, rest:
 def test_hot_path_encoders_match_encode(client: bytes, service: bytes, body: list[bytes],
                                         dialect: str) -> None:
     """The broker's object-free encoders give exactly the frames of encode()."""
-    assert codec.encode_worker_request(client, body, dialect) == codec.encode(
+    assert codec.encode_worker(codec.W_REQUEST, client, body, dialect) == codec.encode(
         codec.WorkerRequest(client, body), dialect)
     assert codec.encode_client_reply(service, body, True, dialect) == codec.encode(
         codec.ClientFinal(service, body), dialect)

@@ -13,7 +13,7 @@ from twisted.python.failure import Failure
 from mdp import Backoff, Broker, Client, HeartbeatPolicy, Worker
 from mdp.errors import RequestTimeout, StreamRestarted
 from mdp.majordomo import codec
-from mdp.majordomo.broker import WorkerState as BrokerWorkerState
+from mdp.majordomo.broker_records import WorkerState as BrokerWorkerState
 from mdp.majordomo.client_machine import CallState
 from mdp.majordomo.worker import WorkerState
 from mdp.testing import Close, Connected, Disconnect, Elapse, Lost, Open, Receive, Script, Send

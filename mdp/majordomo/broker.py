@@ -16,7 +16,7 @@ from zope.interface import classImplements
 from mdp import transport
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
 from mdp.majordomo import codec
-from mdp.majordomo.broker_machine import (  # noqa: F401  (re-exported: the broker's names)
+from mdp.majordomo.broker_machine import (  # noqa: F401  (the defaults: read by mdp.app.tap)
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_QUEUE_BYTES,
@@ -40,15 +40,11 @@ from mdp.majordomo.broker_machine import (  # noqa: F401  (re-exported: the brok
     WakeAt,
     WorkerChanged,
 )
-from mdp.majordomo.broker_records import (  # noqa: F401  (re-exported, as above)
-    IDLE,
-    NEW,
+from mdp.majordomo.broker_records import (  # noqa: F401  (the records, named in docs/changes.md)
     BrokerSnapshot,
     PeerKey,
     PendingRequest,
-    ServiceSnapshot,
     WorkerRef,
-    WorkerState,
     as_bytes,
 )
 from mdp.messages import text as label
@@ -276,10 +272,6 @@ class Broker:
     def isServiceAvailable(self, name: bytes) -> bool:
         """:meth:`BrokerMachine.isServiceAvailable` now."""
         return self.machine.isServiceAvailable(name, self.reactor.seconds())
-
-    def admissionStatus(self) -> Optional[dict[str, Any]]:
-        """:meth:`BrokerMachine.admissionStatus` now."""
-        return self.machine.admissionStatus(self.reactor.seconds())
 
     def listen(self, endpoint: str, clients: bool = True,
                workers: bool = True) -> defer.Deferred[IRouterTransport]:

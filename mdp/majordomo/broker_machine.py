@@ -36,6 +36,7 @@ from mdp.majordomo.broker_records import (
 )
 from mdp.majordomo.codec import (
     RFC,
+    W_REQUEST,
     ClientFinal,
     ClientPartial,
     ClientRequest,
@@ -45,7 +46,7 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
     encode_client_reply,
-    encode_worker_request,
+    encode_worker,
     parse,
     split,
 )
@@ -603,7 +604,7 @@ class BrokerMachine(Machine):
         if self.observed:
             self._emit(Assigned(request.service, now - request.queuedAt))
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
-        frames = encode_worker_request(envelope, request.body, worker.dialect)
+        frames = encode_worker(W_REQUEST, envelope, request.body, worker.dialect)
         self._outbox.append(Send(worker.key, frames))
         worker.liveness.lastSent = now
 

@@ -5,7 +5,7 @@ from mdp.majordomo.client_machine cimport ClientMachine, _Call, _Channel
 # what both drivers share (mdp.blocking.Client cimports it)
 cdef class ClientDriver:
     cdef public ClientMachine machine
-    cdef public object curve, limits, throttle, _closed, _wakeTime
+    cdef public object curve, limits, throttle, _wakeTime
 
 # the Twisted driver: an instance dictionary and weak references, as a class
 # of the source has (a caller may hang its own attributes on a client)

@@ -98,7 +98,6 @@ class ClientDriver:
         self.machine = ClientMachine(endpoints, limits=limits, now=clock.seconds(), **options)
         self.limits = limits
         self.throttle = LogThrottle(clock)
-        self._closed = False
         self._wakeTime: Optional[float] = None
 
     endpoints = machine_view("endpoints", "The broker endpoints, in failover order.")
@@ -110,10 +109,12 @@ class ClientDriver:
             self._wakeBy(action.when)
         elif kind is OpenChannel:
             # (an earlier action's callback may have closed the client)
-            if not self._closed and self.machine.holds(action.channel):
+            if not self.machine.closed and self.machine.holds(action.channel):
                 self._open(action.channel)
         elif kind is CloseChannel:
-            self._close(action.channel)
+            pipe, action.channel.pipe = action.channel.pipe, None
+            if pipe is not None:
+                pipe.close()
         elif kind is Dropped:
             self.throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
                                endpoint=action.endpoint, reason=action.reason)
@@ -136,11 +137,6 @@ class ClientDriver:
             except Exception:
                 log.failure("{name} callback for {service} failed", service=label(call.service),
                             name="onPartial" if partial else "onRestart")
-
-    def _close(self, channel: _Channel) -> None:
-        pipe, channel.pipe = channel.pipe, None
-        if pipe is not None:
-            pipe.close()
 
     def _stale(self, channel: _Channel) -> None:
         """What came on *channel* before its request was dropped."""
@@ -198,14 +194,12 @@ class Client(ClientDriver):
     def close(self) -> defer.Deferred[None]:
         """Fail every pending request with :class:`ClientClosed` and close; the
         Deferred fires once every connection is closed."""
-        self._closed = True
         self._perform(self.machine.handleClose(self.reactor.seconds()))
         links, self._links = self._links, {}
         return transport.close_all(links.values(), "a client connection")
 
     def _cancel(self, call: _Call) -> None:
         self._perform(self.machine.handleCancel(call, self.reactor.seconds()))
-        call.onPartial = call.onRestart = None
 
     def _wake(self) -> None:
         self._timer = None
@@ -214,7 +208,7 @@ class Client(ClientDriver):
     def _wakeBy(self, when: Optional[float]) -> None:
         """Arm the timer for a :class:`WakeAt` (the machine asks only for an
         earlier one); once closed, none is armed."""
-        self._timer = call_at(self._timer, self.reactor, None if self._closed else when, self._wake)
+        self._timer = call_at(self._timer, self.reactor, None if self.machine.closed else when, self._wake)
 
     def _perform(self, actions: list[Action]) -> None:
         """Do what the machine asked, in order."""
@@ -223,9 +217,7 @@ class Client(ClientDriver):
             if kind is SendOn:
                 self._send(action.channel, action.frames)
             elif kind is Complete or kind is Fail:
-                call = action.call
-                call.onPartial = call.onRestart = None
-                deferred = call.deferred
+                deferred = action.call.deferred
                 if deferred.called:  # (cancelled by an earlier action's callback)
                     pass
                 elif kind is Complete:

@@ -19,7 +19,7 @@ cdef class _Channel:
 
 cdef class ClientMachine(Machine):
     cdef public object _rotation, timeout, retries, maxConnections, dialect, stamp, limits
-    cdef public object clientId, _sequence, _waiting, _waitingDone, _live, _closed, _order
+    cdef public object clientId, _sequence, _waiting, _waitingDone, _live, closed, _order
     cdef public object _wakeAt, _everUp, _abandoned
     cdef public dict _names, _failures, _unreachable
     cdef public list _idle, _deadlines

@@ -71,7 +71,7 @@ from mdp.machine import Machine, action_type
 from mdp.majordomo import codec, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
-from mdp.policy import MAX_SECONDS, EndpointRotation, Limits
+from mdp.policy import MAX_SECONDS, EndpointRotation, Limits, whole_number
 
 _HEADER, _FINAL, _PARTIAL = codec.CLIENT_HEADER, codec.C_FINAL, codec.C_PARTIAL
 _ERROR_MARKER, _RESTART_MARKER = codec.ERROR_MARKER, codec.RESTART_MARKER
@@ -90,13 +90,6 @@ def _check_attempts(timeout: float, retries: int) -> None:
         raise ValueError(f"timeout must be at most {MAX_SECONDS:g} seconds, got {timeout}")
     if retries < 1:
         raise ValueError(f"retries counts attempts and must be at least 1, got {retries}")
-
-
-def check_count(name: str, value: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} is a number of {what}, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 class CallState(enum.Enum):
@@ -213,7 +206,7 @@ class ClientMachine(Machine):
                  stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
         super().__init__(now)
         _check_attempts(timeout, retries)
-        check_count("maxConnections", maxConnections, "connections")
+        whole_number("maxConnections", maxConnections)
         self._rotation = EndpointRotation(endpoints)
         self.timeout = timeout
         self.retries = retries
@@ -229,7 +222,7 @@ class ClientMachine(Machine):
         self._waiting: deque[_Call] = deque()
         self._waitingDone = 0  # done calls still in _waiting
         self._live = 0
-        self._closed = False
+        self.closed = False
         self._abandoned = 0  # at least the connections kept for a done request's reply
         #: (deadline, order, call) for every attempt; stale entries are skipped
         self._deadlines: list[tuple[float, int, _Call]] = []
@@ -261,7 +254,7 @@ class ClientMachine(Machine):
             timeout, retries = self.timeout, self.retries
         else:
             timeout, retries = self.attempts(timeout, retries)
-        if self._closed:
+        if self.closed:
             raise ClientClosed("client is closed")
         return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
                      onRestart, now)
@@ -302,7 +295,7 @@ class ClientMachine(Machine):
                                 maxConnections=self.maxConnections, dialect=self.dialect,
                                 stamp=self.stamp, limits=self.limits, now=now)
         machine.clientId, machine._sequence = self.clientId, self._sequence
-        machine._closed = self._closed
+        machine.closed = self.closed
         return machine
 
     def holds(self, channel: _Channel) -> bool:
@@ -314,7 +307,7 @@ class ClientMachine(Machine):
         self._live += 1
         self._schedule(call)
         idle = self._idle
-        if idle and not self._waiting and not self._closed:
+        if idle and not self._waiting and not self.closed:
             self._assign(idle.pop(), call)
         else:
             self._enqueue(call)
@@ -422,7 +415,7 @@ class ClientMachine(Machine):
     def handleClose(self, now: float) -> list[Action]:
         """Fail every pending request with :class:`ClientClosed`; close all."""
         self.now = now
-        self._closed = True
+        self.closed = True
         if self._wakeAt is not None:
             self._wakeAt = None
             self._outbox.append(WakeAt(None))
@@ -466,7 +459,7 @@ class ClientMachine(Machine):
             self._waiting.append(call)
 
     def _pump(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         waiting = self._waiting
         while waiting:
@@ -671,7 +664,7 @@ class ClientMachine(Machine):
             return False
         call.state = DONE
         self._live -= 1
-        call.message = None
+        call.message = call.onPartial = call.onRestart = None  # (the caller's callbacks go too)
         if state is QUEUED:
             self._waitingDone += 1
             waiting = self._waiting

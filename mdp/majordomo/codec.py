@@ -115,23 +115,15 @@ def validate_service(service: bytes) -> bytes:
     raise ProtocolError(f"service name {service!r} holds non-printable byte 0x{byte:02x}")
 
 
-def service_name(service: Union[str, bytes]) -> bytes:
-    """Normalise an API-level service name (``str`` or ``bytes``) to wire bytes."""
-    if isinstance(service, str):
-        try:
-            service = service.encode("ascii")
-        except UnicodeEncodeError:
-            raise ProtocolError(f"service name {service!r} is not ASCII") from None
-    return validate_service(bytes(service))
-
-
 def api_service_name(service: object) -> bytes:
     """A caller's service name as wire bytes: ``TypeError`` for a type other than
     ``str``/``bytes``, ``ValueError`` for a name MDP cannot carry."""
     if not isinstance(service, (bytes, str)):
         raise TypeError(f"a service name is bytes or str, not {type(service).__name__}")
+    if isinstance(service, str) and not service.isascii():
+        raise ValueError(f"service name {service!r} is not ASCII")
     try:
-        return service_name(service)
+        return validate_service(service.encode("ascii") if isinstance(service, str) else bytes(service))
     except ProtocolError as e:
         raise ValueError(str(e)) from None
 
@@ -239,24 +231,17 @@ def encode(command: Command, dialect: str = RFC) -> Frames:
     elif kind in _WORKER_FRAMES:  # READY, HEARTBEAT, DISCONNECT
         frames = [WORKER_HEADER, _WORKER_CODES[kind], *attrs.astuple(command)]
     elif kind in _WORKER_CODES:  # REQUEST, PARTIAL, FINAL
-        frames = [WORKER_HEADER, _WORKER_CODES[kind], command.client, b"", *command.body]
+        return encode_worker(_WORKER_CODES[kind], command.client, command.body, dialect)
     else:
         raise TypeError(f"not an MDP command: {command!r}")
     return frames if dialect == RFC else [b"", *frames]
 
 
-def encode_worker_request(client: bytes, body: Sequence[bytes], dialect: str = RFC) -> Frames:
-    """``encode(WorkerRequest(client, body), dialect)`` without the object (hot path)."""
+def encode_worker(code: bytes, client: bytes, body: Sequence[bytes], dialect: str = RFC) -> Frames:
+    """A worker REQUEST, PARTIAL or FINAL (*code*) as :func:`encode` gives it (hot path)."""
     if dialect == RFC:
-        return [WORKER_HEADER, W_REQUEST, client, b"", *body]
-    return [b"", WORKER_HEADER, W_REQUEST, client, b"", *body]
-
-
-def encode_worker_reply(client: bytes, body: Sequence[bytes], final: bool, dialect: str = RFC) -> Frames:
-    """``encode(WorkerFinal or WorkerPartial(client, body), dialect)`` (hot path)."""
-    if dialect == RFC:
-        return [WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
-    return [b"", WORKER_HEADER, W_FINAL if final else W_PARTIAL, client, b"", *body]
+        return [WORKER_HEADER, code, client, b"", *body]
+    return [b"", WORKER_HEADER, code, client, b"", *body]
 
 
 def encode_client_reply(service: bytes, body: Sequence[bytes], final: bool, dialect: str = RFC) -> Frames:

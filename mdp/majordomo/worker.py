@@ -45,14 +45,16 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
-from mdp.errors import ProtocolError, TransportError
+from mdp.errors import ProtocolError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
 from mdp.majordomo import codec, idempotence
-from mdp.majordomo.client_machine import check_count, unreachable
+from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
     RFC,
+    W_FINAL,
+    W_PARTIAL,
     W_REQUEST,
     WORKER_HEADER,
     Disconnect,
@@ -60,7 +62,7 @@ from mdp.majordomo.codec import (
     WorkerFinal,
     WorkerPartial,
     WorkerRequest,
-    encode_worker_reply,
+    encode_worker,
 )
 from mdp.majordomo.idempotence import STAMP_MARKER
 from mdp.messages import text as label
@@ -74,6 +76,7 @@ from mdp.policy import (
     LogThrottle,
     cancel_call,
     default_reactor,
+    whole_number,
 )
 
 log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
@@ -340,7 +343,8 @@ class WorkerMachine(Machine):
             self._outbox.append(StoreReply(job.key, frames))
         if not current:
             return False
-        self._outbox.append(SendToBroker(encode_worker_reply(job.client, frames, final, self.dialect)))
+        self._outbox.append(SendToBroker(encode_worker(
+            W_FINAL if final else W_PARTIAL, job.client, frames, self.dialect)))
         self.liveness.sent(self.now)
         if final:
             self.current = None
@@ -398,35 +402,21 @@ class WorkerDriver:
             if self.replies is not None:
                 defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                     _storeFailed)
-        elif kind is OpenPipe:
-            self._open(action.endpoint)
+            return None
+        service = label(self.machine.service)
+        if kind is OpenPipe:
+            try:
+                self._open(action.endpoint)
+            except Exception as error:  # no socket to be had (out of descriptors): as a pipe never up
+                log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
+                          "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
+                          service=service, endpoint=action.endpoint, error=error,
+                          expiry=self.machine.heartbeat.expiry)
         elif kind is ClosePipe:
             pipe, self.transport = self.transport, None
             if pipe is not None:
                 return pipe.close()
-        else:
-            self._report(action)
-            if kind is ReopenAfter:
-                self._reopenAfter(action.delay)
-        return None
-
-    def _ready(self) -> None:
-        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
-                 service=label(self.machine.service), endpoint=self.machine.endpoint)
-
-    def _openFailed(self, error: BaseException) -> None:
-        """The pipe could not be opened: as one that never comes up."""
-        machine = self.machine
-        log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
-                  "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
-                  service=label(machine.service), endpoint=machine.endpoint, error=error,
-                  expiry=machine.heartbeat.expiry)
-
-    def _report(self, action: Action) -> None:
-        """Log what the machine reports (throttled where the broker could flood it)."""
-        kind = type(action)
-        service = label(self.machine.service)
-        if kind is ReopenAfter:
+        elif kind is ReopenAfter:
             if action.silent is None:
                 log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
                          service=service, delay=action.delay)
@@ -434,7 +424,14 @@ class WorkerDriver:
                 log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
                          "reconnects in {delay:g}s", endpoint=action.endpoint,
                          silence=action.silent, service=service, delay=action.delay)
-        elif kind is Dropped:
+            self._reopenAfter(action.delay)
+        else:
+            self._report(kind, action, service)
+        return None
+
+    def _report(self, kind: type, action: Action, service: str) -> None:
+        """Log what the machine reports (throttled where the broker could flood it)."""
+        if kind is Dropped:
             self.throttle.warn(log, "dropped", "worker for {service} dropped a message from the "
                                "broker: {reason}", service=service, reason=action.reason)
         elif kind is Refused:
@@ -444,9 +441,21 @@ class WorkerDriver:
         elif kind is Lost:
             log.info("worker for {service} lost {endpoint} ({why}); reconnecting",
                      service=service, endpoint=action.endpoint, why=action.why)
-        elif kind is ConnectFailed:
+        else:
             log.warn("worker for {service} cannot connect to {endpoint}: {error}; trying again",
                      service=service, endpoint=action.endpoint, error=action.why)
+
+    # the pipe's events, as the blocking pipes report them (*tag*: unused)
+    def _pipeUp(self, tag: Any, now: float) -> None:
+        self._perform(self.machine.handlePipeUp(now))
+        log.emit(self.readyLogLevel, "worker for {service} sent READY to {endpoint}",
+                 service=label(self.machine.service), endpoint=self.machine.endpoint)
+
+    def _pipeLost(self, tag: Any, why: object, now: float) -> None:
+        self._perform(self.machine.handlePipeLost(now, why))
+
+    def _pipeFailed(self, tag: Any, error: object, now: float) -> None:
+        self._perform(self.machine.handleConnectFailed(error, now))
 
 
 class Worker(WorkerDriver):
@@ -460,7 +469,7 @@ class Worker(WorkerDriver):
                  limits: Limits = Limits(), metrics: Optional[Any] = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
                  concurrency: int = 1) -> None:
-        check_count("concurrency", concurrency, "requests served at once")
+        whole_number("concurrency", concurrency)
         reactor = default_reactor(reactor)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret)
@@ -495,13 +504,9 @@ class Worker(WorkerDriver):
     def start(self) -> None:
         """Connect to the broker; READY is sent once the pipe is up (each session's)."""
         for session in self.sessions:
-            session._start()
-
-    def _start(self) -> None:
-        if self.machine.state is not STOPPED:
-            return
-        self._perform(self.machine.handleStart(self.reactor.seconds()))
-        self._ticker.start(self.machine.wakeEvery, now=False)
+            if session.machine.state is STOPPED:
+                session._perform(session.machine.handleStart(self.reactor.seconds()))
+                session._ticker.start(session.machine.wakeEvery, now=False)
 
     def stop(self) -> defer.Deferred[None]:
         """Say DISCONNECT to the broker (if registered) and close (every
@@ -575,27 +580,23 @@ class Worker(WorkerDriver):
     def _open(self, endpoint: str) -> None:
         options = dict(retryPolicy=self.machine.backoff.retryPolicy(), limits=self.machine.limits,
                        security=transport.curve_for(endpoint, self.curve))
-        try:
-            if self.links is None:
-                self.transport = transport.connect(endpoint, self, self.reactor, **options)
-                return
-            link = self.links.get(endpoint)
-            if link is None:
-                link = self.links[endpoint] = transport.connect_channels(
-                    endpoint, self.reactor, relayProbe=codec.RELAY_PROBE, **options)
-            self.transport = link.open(self)
-        except TransportError as e:  # (out of descriptors)
-            self._openFailed(e)
+        if self.links is None:
+            self.transport = transport.connect(endpoint, self, self.reactor, **options)
+            return
+        link = self.links.get(endpoint)
+        if link is None:
+            link = self.links[endpoint] = transport.connect_channels(
+                endpoint, self.reactor, relayProbe=codec.RELAY_PROBE, **options)
+        self.transport = link.open(self)
 
     def connectionMade(self) -> None:
-        self._perform(self.machine.handlePipeUp(self.reactor.seconds()))
-        self._ready()
+        self._pipeUp(None, self.reactor.seconds())
 
     def connectionLost(self, reason: object) -> None:
-        self._perform(self.machine.handlePipeLost(self.reactor.seconds(), reason))
+        self._pipeLost(None, reason, self.reactor.seconds())
 
     def connectionFailed(self, reason: object) -> None:
-        self._perform(self.machine.handleConnectFailed(reason, self.reactor.seconds()))
+        self._pipeFailed(None, reason, self.reactor.seconds())
 
     def messageReceived(self, frames: list[bytes]) -> None:
         self._perform(self.machine.handleMessage(frames, self.reactor.seconds()))
