@@ -1,4 +1,5 @@
-"""Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
+"""Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``);
+:class:`SessionClient` and :class:`SessionServer` are sessions for programs that speak their own messages.
 
 :class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and
 re-attaches by itself (its receiver may have ``sessionRenewed()`` and
@@ -9,16 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
-from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
+from mdp import interfaces
+from mdp.errors import ClientClosed, OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
+from mdp.messages import bytes_frames
+from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call, default_reactor
 from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
@@ -150,13 +152,13 @@ class _End:
         return inner.close() if inner is not None else defer.succeed(None)
 
 
-@implementer(IRouterReceiver, IRouterTransport)
+@implementer(interfaces.IRouterReceiver, interfaces.IRouterTransport)
 class SessionRouter(_End):
     """A bound session server: connections come and go, sessions stay until they expire."""
 
     title = "session router at"
 
-    def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+    def __init__(self, receiver: interfaces.IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
                  expiry: float = machines.DEFAULT_EXPIRY, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
                  maxSessions: int = machines.DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
@@ -167,7 +169,7 @@ class SessionRouter(_End):
 
     @classmethod
     @defer.inlineCallbacks
-    def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any,
+    def listen(cls, endpoint: str, receiver: interfaces.IRouterReceiver, reactor: Any,
                limits: Limits = Limits(), **options: Any) -> Any:
         from mdp import transport
 
@@ -246,16 +248,16 @@ class SessionRouter(_End):
         return self._shutdown()
 
 
-@implementer(IDealerTransport)
+@implementer(interfaces.IDealerTransport)
 class SessionDealer(_End):
     """The client end of a session; it re-attaches after every break."""
 
     title = "session dealer to"
 
-    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *, limits: Limits = Limits(),
+    def __init__(self, endpoint: str, receiver: interfaces.IDealerReceiver, reactor: Any, *,
                  retryPolicy: Any = None, pingInterval: float = machines.DEFAULT_PING_INTERVAL,
                  liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
-                 backoff: Backoff = PIRATE) -> None:
+                 backoff: Backoff = PIRATE, limits: Limits = Limits()) -> None:
         super().__init__(receiver, reactor, limits, endpoint)
         self.retryPolicy = retryPolicy
         self.machine = machines.ClientSessionMachine(
@@ -407,7 +409,7 @@ class SessionDealer(_End):
         return after(self._closing)
 
 
-@implementer(IDealerReceiver)
+@implementer(interfaces.IDealerReceiver)
 class _Inner:
     """Receives for one inner connection; ignored once it is replaced."""
 
@@ -454,3 +456,109 @@ listen = SessionRouter.listen
 def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
             identity: Optional[bytes]) -> Any:
     return SessionDealer(endpoint, receiver, reactor, limits=limits, retryPolicy=retryPolicy)
+
+
+def session_endpoint(endpoint: str) -> str:
+    """*endpoint* with ``session+`` in front, if it has not."""
+    return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
+
+
+class SessionClient(interfaces.DealerReceiver):
+    """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
+    ``send(*frames)`` never waits: while the connection is down the message waits in the
+    session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
+    hears when the server's session for us was renewed (what it held for us is lost); the
+    other *options* (*pingInterval*, *liveness*, *maxQueued*, *limits*) are the dealer's."""
+
+    def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
+                 onRenewed: Optional[Callable[[], Any]] = None, **options: Any) -> None:
+        self.reactor = default_reactor(reactor)
+        self.onRenewed = onRenewed
+        self._callbacks: list[Callable[[list[bytes]], Any]] = []
+        self._waiting = DrainWaiters()
+        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
+
+    def attached(self) -> defer.Deferred[None]:
+        """Fires once the session is first attached; fails with
+        :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
+        if self.dealer.closed:
+            return defer.fail(ClientClosed("the session client is closed"))
+        return defer.succeed(None) if self.dealer.madeOnce else self._waiting.wait()
+
+    def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
+        """Call *callback(frames)* for every message from the server, in order, once."""
+        self._callbacks.append(callback)
+
+    def send(self, *frames: bytes) -> None:
+        self.dealer.send(bytes_frames(frames))
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.dealer.closed:
+            self._waiting.fail(ClientClosed("the session client was closed before it attached"))
+        return self.dealer.close()
+
+    def connectionMade(self) -> None:
+        self._waiting.fire()
+
+    def sessionRefused(self, reason: str) -> None:
+        self._waiting.fail(machines.SessionRefused(reason))
+
+    def sessionRenewed(self) -> None:
+        if self.onRenewed is not None:
+            self.onRenewed()
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback(frames)
+            except Exception:
+                log.failure("session client to {endpoint}: the subscriber {callback!r} raised",
+                            endpoint=self.dealer.endpoint, callback=callback)
+
+
+@implementer(interfaces.IRouterReceiver)
+class SessionServer:
+    """Sessions behind one bound endpoint, each known by an ``int`` routing id:
+    *handler(routingId, frames)* hears every message, in order, once;
+    *onExpired(routingId)* hears of sessions silent for *expiry* seconds."""
+
+    def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
+                 *, expiry: float = machines.DEFAULT_EXPIRY, onExpired: Optional[Callable[[int], Any]] = None,
+                 maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS, limits: Limits = Limits()) -> None:
+        if expiry <= 0:
+            raise ValueError(f"expiry must be positive, got {expiry}")
+        machines.check_bounds(maxQueued, limits.maxOutputBytes)
+        self.reactor = default_reactor(reactor)
+        self.handler, self.onExpired = handler, onExpired
+        self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
+        self.limits = limits
+        self.router: Optional[SessionRouter] = None
+
+    async def listen(self, endpoint: str) -> str:
+        """Bind *endpoint*; returns the endpoint clients connect to."""
+        from mdp import transport
+
+        full = session_endpoint(endpoint)
+        transport.check(full, transport.LISTEN)
+        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits, **self.options)
+        return self.router.endpoint
+
+    def reply(self, routingId: int, *frames: bytes) -> None:
+        """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
+        SessionQueueFull, ReplyTooLarge."""
+        if self.router is None:
+            raise machines.UnknownSession(routingId)
+        self.router.reply(routingId, bytes_frames(frames))
+
+    def close(self) -> defer.Deferred[None]:
+        """Stop listening; the sessions end with it."""
+        router, self.router = self.router, None
+        return router.close() if router is not None else defer.succeed(None)
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.handler(routing_id(peer), frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        if self.onExpired is not None:
+            self.onExpired(routing_id(peer))
