@@ -1,10 +1,9 @@
-"""Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``);
-:class:`SessionClient` and :class:`SessionServer` are sessions for programs that speak their own messages.
+"""Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
-:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and
-re-attaches by itself (its receiver may have ``sessionRenewed()`` and
-``sessionRefused(reason)``); :class:`SessionRouter` names each session by a 4-byte
-routing id and reports ``peerDisconnected`` when it expires."""
+:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and re-attaches by itself
+(its receiver may have ``sessionRenewed()`` and ``sessionRefused(reason)``); :class:`SessionRouter`
+names each session by a 4-byte routing id and reports ``peerDisconnected`` when it expires.
+:class:`SessionClient` and :class:`SessionServer` serve programs that speak their own messages."""
 
 from __future__ import annotations
 
