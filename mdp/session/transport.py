@@ -71,7 +71,6 @@ class _End:
     """What both ends share: a tick, an inner transport, limits and logging."""
 
     machine: Any
-    _performers: dict[type, Any]
     title = ""
     dropped = 0  # messages lost as over our limits
     skipped = 0  # ours sent as SKIPs
@@ -137,6 +136,8 @@ class _End:
 
     def _notice(self, action: machines.Notice) -> None:
         self._say(action.topic, "{text}", action.level, text=action.text)
+
+    _performers = {machines.Dropped: _dropped, machines.Skipped: _skipped, machines.Notice: _notice}
 
     def _name(self) -> str:
         return f"{self.title} {self.endpoint}"
@@ -208,10 +209,9 @@ class SessionRouter(_End):
         self._say("full", "refused a new session from {peer!r}: {count} already (maxSessions)",
                   peer=action.peer, count=action.sessions)
 
-    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver, machines.Expired: _expired,
-                   machines.DropPeer: _dropPeer, machines.Opened: lambda self, action: None,
-                   machines.Attached: _attached, machines.Full: _full, machines.Dropped: _End._dropped,
-                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
+    _performers = {**_End._performers, machines.SendTo: _sendTo, machines.Deliver: _deliver,
+                   machines.Expired: _expired, machines.DropPeer: _dropPeer, machines.Full: _full,
+                   machines.Opened: lambda self, action: None, machines.Attached: _attached}
 
     def reply(self, routingId: int, frames: Any) -> None:
         """Send *frames* to *routingId*; ReplyTooLarge, UnknownSession, SessionQueueFull."""
@@ -363,10 +363,8 @@ class SessionDealer(_End):
         if self.reopening is None:
             self._reopen()
 
-    _performers = {machines.Send: _send, machines.Deliver: _deliver, machines.Refusal: _refused,
-                   machines.Renewed: _renewed, machines.Reconnect: _reconnect,
-                   machines.Dropped: _End._dropped, machines.Skipped: _End._skipped,
-                   machines.Notice: _End._notice}
+    _performers = {**_End._performers, machines.Send: _send, machines.Deliver: _deliver,
+                   machines.Refusal: _refused, machines.Renewed: _renewed, machines.Reconnect: _reconnect}
 
     def send(self, frames: list[bytes]) -> None:
         """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""
@@ -472,10 +470,11 @@ class SessionClient(interfaces.DealerReceiver):
     def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
                  onRenewed: Optional[Callable[[], Any]] = None, **options: Any) -> None:
         self.reactor = default_reactor(reactor)
-        self.onRenewed = onRenewed
         self._callbacks: list[Callable[[list[bytes]], Any]] = []
         self._waiting = DrainWaiters()
         self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
+        if onRenewed is not None:  # (the dealer calls its receiver's sessionRenewed, if it has one)
+            self.sessionRenewed = onRenewed
 
     def attached(self) -> defer.Deferred[None]:
         """Fires once the session is first attached; fails with
@@ -501,10 +500,6 @@ class SessionClient(interfaces.DealerReceiver):
 
     def sessionRefused(self, reason: str) -> None:
         self._waiting.fail(machines.SessionRefused(reason))
-
-    def sessionRenewed(self) -> None:
-        if self.onRenewed is not None:
-            self.onRenewed()
 
     def messageReceived(self, frames: list[bytes]) -> None:
         for callback in list(self._callbacks):
