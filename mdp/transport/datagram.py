@@ -175,9 +175,7 @@ class UDPDatagrams(DatagramProtocol):
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return defer.maybeDeferred(port.stopListening) if port is not None else defer.succeed(None)
 
 
 @implementer(IDatagramTransport)
