@@ -312,7 +312,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.session.transport.SessionRouter": _session_router,
     "mdp.session.transport.SessionDealer": _session_dealer,
     "mdp.session.transport._Inner": _session_inner,
-    "mdp.session.peers.SessionServer": _session_server,
+    "mdp.session.transport.SessionServer": _session_server,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
 }

@@ -109,45 +109,38 @@ class EndpointDiscovery:
         return defer.succeed(None)
 
 
-class EventStream:
+class EventStream(defer.DeferredQueue):
     """The node's events, for ``async for``: at most *size* unread (beyond, the oldest go)."""
 
     def __init__(self, node: Node, size: int = 10_000) -> None:
+        super().__init__()
         self.node, self.size = node, size
-        self.queue: deque[Event] = deque(maxlen=size)
-        self.waiting: Optional[defer.Deferred[Event]] = None
         self.ended, self.dropped = False, 0
 
     def _put(self, event: Event) -> None:
-        if self.waiting is not None:
-            waiting, self.waiting = self.waiting, None
-            waiting.callback(event)
-            return
-        if len(self.queue) == self.size:
+        if len(self.pending) == self.size:
+            del self.pending[0]
             self.dropped += 1
             self.node.throttle.warn(log, "stream", "ZRE node {name}: an event stream is {size} events "
                                     "behind; dropping the oldest ({dropped} so far)",
                                     name=self.node.name, size=self.size, dropped=self.dropped)
-        self.queue.append(event)
+        self.put(event)
 
     def _end(self) -> None:
         self.ended = True
-        if self.waiting is not None:
-            waiting, self.waiting = self.waiting, None
-            waiting.errback(StopAsyncIteration())
+        waiting, self.waiting = self.waiting, []
+        for reader in waiting:
+            reader.errback(StopAsyncIteration())
 
     def __aiter__(self) -> EventStream:
         return self
 
     def __anext__(self) -> defer.Deferred[Event]:
-        if self.queue:
-            return defer.succeed(self.queue.popleft())
-        if self.ended:
+        if self.ended and not self.pending:
             return defer.fail(StopAsyncIteration())
-        if self.waiting is not None:
+        if self.waiting:
             raise RuntimeError("one reader at a time: this stream is already awaited")
-        self.waiting = defer.Deferred(lambda _: setattr(self, "waiting", None))
-        return self.waiting
+        return self.get()
 
     def close(self) -> None:
         self.node._streams.discard(self)

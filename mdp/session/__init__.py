@@ -10,7 +10,7 @@ from mdp.session.machines import (
     SessionRefused,
     UnknownSession,
 )
-from mdp.session.peers import SessionClient, SessionServer
+from mdp.session.transport import SessionClient, SessionServer
 
 __all__ = ["ClientSessionMachine", "MalformedSession", "ServerSessionMachine", "SessionClient",
            "SessionServer", "SessionQueueFull", "SessionRefused", "UnknownSession"]

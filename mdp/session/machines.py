@@ -201,11 +201,6 @@ class ClientSessionMachine(Machine):
     def deadAfter(self) -> float:
         return self.pingInterval * self.liveness
 
-    @property
-    def reattachPause(self) -> float:
-        """The least time between two HELLOs (each makes the server resend all)."""
-        return min(self.pingInterval, 1.0)
-
     def _send(self, message: codec.Message) -> None:
         self._emit(Send(codec.encode(message)))
         if self.seq.skips:
@@ -296,7 +291,8 @@ class ClientSessionMachine(Machine):
         self._reattach(f"messages were lost on the way (up to {seq}, we have {self.seq.received})")
 
     def _reattach(self, why: str) -> None:
-        if self.now - self.helloAt >= self.reattachPause:  # (else our HELLO or what is lost is on its way)
+        # (each HELLO makes the server resend all; else ours, or what is lost, is on its way)
+        if self.now - self.helloAt >= min(self.pingInterval, 1.0):
             self._emit(Notice("reattach", f"{why}; attaching again", "info"))
             self._hello()
 

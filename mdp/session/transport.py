@@ -1,24 +1,25 @@
 """Sessions as a transport: ``session+`` and an inner endpoint (``tcp:``, ``zmq:``, ``loopback:``).
 
-:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and
-re-attaches by itself (its receiver may have ``sessionRenewed()`` and
-``sessionRefused(reason)``); :class:`SessionRouter` names each session by a 4-byte
-routing id and reports ``peerDisconnected`` when it expires."""
+:class:`SessionDealer` reports ``connectionMade`` once, at the first attach, and re-attaches by itself
+(its receiver may have ``sessionRenewed()`` and ``sessionRefused(reason)``); :class:`SessionRouter`
+names each session by a 4-byte routing id and reports ``peerDisconnected`` when it expires.
+:class:`SessionClient` and :class:`SessionServer` serve programs that speak their own messages."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from mdp.errors import OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
-from mdp.interfaces import IDealerReceiver, IDealerTransport, IRouterReceiver, IRouterTransport
-from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call
+from mdp import interfaces
+from mdp.errors import ClientClosed, OversizedMessage, ReplyTooLarge, RequestTooLarge, TransportError
+from mdp.messages import bytes_frames
+from mdp.policy import PIRATE, RECONNECT, Backoff, Limits, LogThrottle, cancel_call, default_reactor
 from mdp.session import machines
 from mdp.session.codec import DATA as DATA_COMMAND
 from mdp.session.codec import PROTOCOL
@@ -70,7 +71,6 @@ class _End:
     """What both ends share: a tick, an inner transport, limits and logging."""
 
     machine: Any
-    _performers: dict[type, Any]
     title = ""
     dropped = 0  # messages lost as over our limits
     skipped = 0  # ours sent as SKIPs
@@ -137,6 +137,8 @@ class _End:
     def _notice(self, action: machines.Notice) -> None:
         self._say(action.topic, "{text}", action.level, text=action.text)
 
+    _performers = {machines.Dropped: _dropped, machines.Skipped: _skipped, machines.Notice: _notice}
+
     def _name(self) -> str:
         return f"{self.title} {self.endpoint}"
 
@@ -150,13 +152,13 @@ class _End:
         return inner.close() if inner is not None else defer.succeed(None)
 
 
-@implementer(IRouterReceiver, IRouterTransport)
+@implementer(interfaces.IRouterReceiver, interfaces.IRouterTransport)
 class SessionRouter(_End):
     """A bound session server: connections come and go, sessions stay until they expire."""
 
     title = "session router at"
 
-    def __init__(self, receiver: IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
+    def __init__(self, receiver: interfaces.IRouterReceiver, reactor: Any, *, limits: Limits = Limits(),
                  expiry: float = machines.DEFAULT_EXPIRY, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
                  maxSessions: int = machines.DEFAULT_MAX_SESSIONS) -> None:
         super().__init__(receiver, reactor, limits, "")
@@ -167,7 +169,7 @@ class SessionRouter(_End):
 
     @classmethod
     @defer.inlineCallbacks
-    def listen(cls, endpoint: str, receiver: IRouterReceiver, reactor: Any,
+    def listen(cls, endpoint: str, receiver: interfaces.IRouterReceiver, reactor: Any,
                limits: Limits = Limits(), **options: Any) -> Any:
         from mdp import transport
 
@@ -207,10 +209,9 @@ class SessionRouter(_End):
         self._say("full", "refused a new session from {peer!r}: {count} already (maxSessions)",
                   peer=action.peer, count=action.sessions)
 
-    _performers = {machines.SendTo: _sendTo, machines.Deliver: _deliver, machines.Expired: _expired,
-                   machines.DropPeer: _dropPeer, machines.Opened: lambda self, action: None,
-                   machines.Attached: _attached, machines.Full: _full, machines.Dropped: _End._dropped,
-                   machines.Skipped: _End._skipped, machines.Notice: _End._notice}
+    _performers = {**_End._performers, machines.SendTo: _sendTo, machines.Deliver: _deliver,
+                   machines.Expired: _expired, machines.DropPeer: _dropPeer, machines.Full: _full,
+                   machines.Opened: lambda self, action: None, machines.Attached: _attached}
 
     def reply(self, routingId: int, frames: Any) -> None:
         """Send *frames* to *routingId*; ReplyTooLarge, UnknownSession, SessionQueueFull."""
@@ -246,16 +247,16 @@ class SessionRouter(_End):
         return self._shutdown()
 
 
-@implementer(IDealerTransport)
+@implementer(interfaces.IDealerTransport)
 class SessionDealer(_End):
     """The client end of a session; it re-attaches after every break."""
 
     title = "session dealer to"
 
-    def __init__(self, endpoint: str, receiver: IDealerReceiver, reactor: Any, *, limits: Limits = Limits(),
+    def __init__(self, endpoint: str, receiver: interfaces.IDealerReceiver, reactor: Any, *,
                  retryPolicy: Any = None, pingInterval: float = machines.DEFAULT_PING_INTERVAL,
                  liveness: int = machines.DEFAULT_LIVENESS, maxQueued: int = machines.DEFAULT_MAX_QUEUED,
-                 backoff: Backoff = PIRATE) -> None:
+                 backoff: Backoff = PIRATE, limits: Limits = Limits()) -> None:
         super().__init__(receiver, reactor, limits, endpoint)
         self.retryPolicy = retryPolicy
         self.machine = machines.ClientSessionMachine(
@@ -362,10 +363,8 @@ class SessionDealer(_End):
         if self.reopening is None:
             self._reopen()
 
-    _performers = {machines.Send: _send, machines.Deliver: _deliver, machines.Refusal: _refused,
-                   machines.Renewed: _renewed, machines.Reconnect: _reconnect,
-                   machines.Dropped: _End._dropped, machines.Skipped: _End._skipped,
-                   machines.Notice: _End._notice}
+    _performers = {**_End._performers, machines.Send: _send, machines.Deliver: _deliver,
+                   machines.Refusal: _refused, machines.Renewed: _renewed, machines.Reconnect: _reconnect}
 
     def send(self, frames: list[bytes]) -> None:
         """Send *frames*; SessionQueueFull, RequestTooLarge or ``TypeError``: nothing queued."""
@@ -407,7 +406,7 @@ class SessionDealer(_End):
         return after(self._closing)
 
 
-@implementer(IDealerReceiver)
+@implementer(interfaces.IDealerReceiver)
 class _Inner:
     """Receives for one inner connection; ignored once it is replaced."""
 
@@ -454,3 +453,106 @@ listen = SessionRouter.listen
 def connect(endpoint: str, receiver: Any, reactor: Any, limits: Limits, retryPolicy: Any,
             identity: Optional[bytes]) -> Any:
     return SessionDealer(endpoint, receiver, reactor, limits=limits, retryPolicy=retryPolicy)
+
+
+def session_endpoint(endpoint: str) -> str:
+    """*endpoint* with ``session+`` in front, if it has not."""
+    return endpoint if endpoint.startswith(PREFIX) else PREFIX + endpoint
+
+
+class SessionClient(interfaces.DealerReceiver):
+    """One session to a server at *endpoint* (``tcp:host=H:port=P``, ``zmq:tcp://H:P``).
+    ``send(*frames)`` never waits: while the connection is down the message waits in the
+    session (beyond *maxQueued*: :class:`~mdp.session.SessionQueueFull`).  *onRenewed()*
+    hears when the server's session for us was renewed (what it held for us is lost); the
+    other *options* (*pingInterval*, *liveness*, *maxQueued*, *limits*) are the dealer's."""
+
+    def __init__(self, endpoint: str, reactor: Optional[Any] = None, *,
+                 onRenewed: Optional[Callable[[], Any]] = None, **options: Any) -> None:
+        self.reactor = default_reactor(reactor)
+        self._callbacks: list[Callable[[list[bytes]], Any]] = []
+        self._waiting = DrainWaiters()
+        self.dealer = SessionDealer(session_endpoint(endpoint), self, self.reactor, **options)
+        if onRenewed is not None:  # (the dealer calls its receiver's sessionRenewed, if it has one)
+            self.sessionRenewed = onRenewed
+
+    def attached(self) -> defer.Deferred[None]:
+        """Fires once the session is first attached; fails with
+        :class:`~mdp.session.SessionRefused` or :class:`~mdp.errors.ClientClosed`."""
+        if self.dealer.closed:
+            return defer.fail(ClientClosed("the session client is closed"))
+        return defer.succeed(None) if self.dealer.madeOnce else self._waiting.wait()
+
+    def subscribe(self, callback: Callable[[list[bytes]], Any]) -> None:
+        """Call *callback(frames)* for every message from the server, in order, once."""
+        self._callbacks.append(callback)
+
+    def send(self, *frames: bytes) -> None:
+        self.dealer.send(bytes_frames(frames))
+
+    def close(self) -> defer.Deferred[None]:
+        if not self.dealer.closed:
+            self._waiting.fail(ClientClosed("the session client was closed before it attached"))
+        return self.dealer.close()
+
+    def connectionMade(self) -> None:
+        self._waiting.fire()
+
+    def sessionRefused(self, reason: str) -> None:
+        self._waiting.fail(machines.SessionRefused(reason))
+
+    def messageReceived(self, frames: list[bytes]) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback(frames)
+            except Exception:
+                log.failure("session client to {endpoint}: the subscriber {callback!r} raised",
+                            endpoint=self.dealer.endpoint, callback=callback)
+
+
+@implementer(interfaces.IRouterReceiver)
+class SessionServer:
+    """Sessions behind one bound endpoint, each known by an ``int`` routing id:
+    *handler(routingId, frames)* hears every message, in order, once;
+    *onExpired(routingId)* hears of sessions silent for *expiry* seconds."""
+
+    def __init__(self, handler: Callable[[int, list[bytes]], Any], reactor: Optional[Any] = None,
+                 *, expiry: float = machines.DEFAULT_EXPIRY, onExpired: Optional[Callable[[int], Any]] = None,
+                 maxQueued: int = machines.DEFAULT_MAX_QUEUED,
+                 maxSessions: int = machines.DEFAULT_MAX_SESSIONS, limits: Limits = Limits()) -> None:
+        if expiry <= 0:
+            raise ValueError(f"expiry must be positive, got {expiry}")
+        machines.check_bounds(maxQueued, limits.maxOutputBytes)
+        self.reactor = default_reactor(reactor)
+        self.handler, self.onExpired = handler, onExpired
+        self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
+        self.limits = limits
+        self.router: Optional[SessionRouter] = None
+
+    async def listen(self, endpoint: str) -> str:
+        """Bind *endpoint*; returns the endpoint clients connect to."""
+        from mdp import transport
+
+        full = session_endpoint(endpoint)
+        transport.check(full, transport.LISTEN)
+        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits, **self.options)
+        return self.router.endpoint
+
+    def reply(self, routingId: int, *frames: bytes) -> None:
+        """Send *frames* to *routingId* (kept until the client has it); UnknownSession,
+        SessionQueueFull, ReplyTooLarge."""
+        if self.router is None:
+            raise machines.UnknownSession(routingId)
+        self.router.reply(routingId, bytes_frames(frames))
+
+    def close(self) -> defer.Deferred[None]:
+        """Stop listening; the sessions end with it."""
+        router, self.router = self.router, None
+        return router.close() if router is not None else defer.succeed(None)
+
+    def messageReceived(self, peer: bytes, frames: list[bytes]) -> None:
+        self.handler(routing_id(peer), frames)
+
+    def peerDisconnected(self, peer: bytes) -> None:
+        if self.onExpired is not None:
+            self.onExpired(routing_id(peer))

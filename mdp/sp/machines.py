@@ -66,7 +66,6 @@ class ReqMachine(Machine):
         request = _Request(requestId, word(requestId) + payload, next(self._serials))
         self.requests[requestId] = request
         self._send(request)
-        self._rearm()
         return requestId, self._drain()
 
     def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
@@ -75,7 +74,6 @@ class ReqMachine(Machine):
             self.channels.append(channel)
         for request in [r for r in self.requests.values() if r.channel is None]:
             self._send(request)
-        self._rearm()
         return self._drain()
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
@@ -89,7 +87,6 @@ class ReqMachine(Machine):
             if request.channel == channel:
                 request.channel = None
                 self._send(request)
-        self._rearm()
         return self._drain()
 
     def handleReply(self, channel: Channel, body: bytes, now: float) -> list[Any]:
@@ -102,13 +99,11 @@ class ReqMachine(Machine):
             return [Dropped(channel, f"reply to request 0x{requestId:08x}, which is not "
                                      "in flight (late, duplicate or stray)")]
         self._emit(Complete(requestId, payload))
-        self._rearm()
         return self._drain()
 
     def handleCancel(self, requestId: int, now: float) -> list[Any]:
         self.now = now
         self._forget(requestId)
-        self._rearm()
         return self._drain()
 
     def _forget(self, requestId: int) -> bool:
@@ -124,7 +119,6 @@ class ReqMachine(Machine):
         due = itertools.takewhile(lambda request: request.resendAt <= now, self._sent.values())
         for request in sorted(due, key=lambda request: request.serial):
             self._send(request)
-        self._rearm()
         return self._drain()
 
     def _send(self, request: _Request) -> None:
@@ -143,12 +137,13 @@ class ReqMachine(Machine):
             self._sent = OrderedDict(sorted(sent.items(), key=lambda item: item[1].resendAt))
         self._emit(SendOn(channel, request.body))
 
-    def _rearm(self) -> None:
-        """Ask for a wake-up at the first resend deadline, if it changed."""
+    def _drain(self) -> list[Any]:
+        """The actions, and a wake-up at the first resend deadline if it changed."""
         when = next(iter(self._sent.values())).resendAt if self._sent else None
         if when != self.wakeAt:
             self.wakeAt = when
             self._emit(WakeAt(when))
+        return super()._drain()
 
 
 class _ChannelMachine(Machine):

@@ -36,14 +36,11 @@ class _Pipe:
     def __init__(self, owner: Union[SPClient, SPDevice], url: str) -> None:
         self.owner, self.url = owner, url
         self.transport: Any = None
-        self.up = False
 
     def connectionMade(self) -> None:
-        self.up = True
         self.owner._channel(self, True)
 
     def connectionLost(self, reason: object) -> None:
-        self.up = False
         self.owner._channel(self, False)
 
     def messageReceived(self, frames: list[bytes]) -> None:
@@ -278,7 +275,7 @@ class SPDevice(_Side):
 
     def _forward(self, body: bytes) -> None:
         """Send *body* upstream, on the next connection that is up."""
-        live = [b for b in self.backs if b.up] or self.backs
+        live = [b for b in self.backs if b.transport.connected] or self.backs
         if live is self.backs:
             # none up: held by a connection until it is, as nng's send queue holds it
             self.throttle.info(log, "no-upstream", "SP device holds a request until an "
@@ -288,7 +285,7 @@ class SPDevice(_Side):
         end.transport.sendMessage([body])
 
     def _channel(self, pipe: _Pipe, up: bool) -> None:
-        """An upstream connection came or went: :meth:`_forward` reads ``pipe.up``."""
+        """An upstream connection came or went: :meth:`_forward` reads its ``connected``."""
 
     def _reply(self, pipe: _Pipe, body: bytes) -> None:
         self._perform(self.machine.handleReply(body, self._now()), f"reply from upstream {pipe.url}")

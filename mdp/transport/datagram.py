@@ -130,10 +130,7 @@ class UDPDatagrams(DatagramProtocol):
     noisy = False
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any) -> None:
-        self.spec = spec
-        self.host = spec.host
-        self.receiver = receiver
-        self.reactor = reactor
+        self.spec, self.host, self.receiver, self.reactor = spec, spec.host, receiver, reactor
         self.throttle = LogThrottle(reactor, interval=10.0)
         self.port: Any = None
 
@@ -178,9 +175,7 @@ class UDPDatagrams(DatagramProtocol):
 
     def close(self) -> defer.Deferred[None]:
         port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return defer.maybeDeferred(port.stopListening) if port is not None else defer.succeed(None)
 
 
 @implementer(IDatagramTransport)
@@ -189,12 +184,8 @@ class LoopbackDatagrams:
 
     def __init__(self, spec: DatagramSpec, receiver: IDatagramReceiver, reactor: Any, *,
                  net: LoopbackNetwork = network) -> None:
-        self.spec = spec
-        self.host = spec.host
-        self.receiver = receiver
-        self.reactor = reactor
-        self.net = net
-        self.closed = False
+        self.spec, self.host, self.receiver, self.reactor = spec, spec.host, receiver, reactor
+        self.net, self.closed = net, False
         net.members[spec.network].append(self)
 
     def send(self, data: bytes) -> None:
