@@ -42,6 +42,7 @@ class _DealerConnection(FramedProtocol):
     _early: Optional[list[Any]] = None
 
     def connectionMade(self) -> None:
+        self.dealer = self.factory.dealer
         self.limits = self.dealer.limits
         self.framing = self.dealer.framing
         self.identity = self.dealer.identity
@@ -138,8 +139,8 @@ class _OneConnection:
 
     def _start(self, retryPolicy: Optional[Callable[[int], float]]) -> None:
         """Start the :class:`ClientService` keeping the connection."""
-        factory = Factory.forProtocol(lambda: None)
-        factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
+        factory = Factory.forProtocol(_DealerConnection)
+        factory.dealer = self  # type: ignore[attr-defined]
         factory.noisy = False
         policy = retryPolicy or RECONNECT.retryPolicy()
         self._connector = clientFromString(self.reactor, self.endpoint)
@@ -158,11 +159,6 @@ class _OneConnection:
 
     def __str__(self) -> str:  # (as the service logs its endpoint)
         return self.endpoint
-
-    def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = _DealerConnection()
-        proto.dealer = self  # type: ignore[assignment]
-        return proto
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
         """What *frames* cost held, or None (warned) past the bounds."""
