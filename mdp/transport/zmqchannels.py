@@ -6,6 +6,7 @@ a second pipe opens, a *probe* goes on a relay hop; a pipe waits up to
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -98,16 +99,13 @@ class ZmqChannels:
         self.probe = probe
         self.reactor = reactor
         self.limits = limits
-        self.retryPolicy = retryPolicy
-        self.security = security
+        #: a new DEALER to the endpoint, for a receiver
+        self._dealer = partial(ZmqDealer, endpoint, reactor=reactor, limits=limits, curve=security,
+                               retryPolicy=retryPolicy)
         self.throttle = LogThrottle(reactor)
         self.relayed: dict[bytes, ZmqChannel] = {}
         self.waiting: list[ZmqChannel] = []
         self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
-
-    def _dealer(self, receiver: Any) -> ZmqDealer:
-        return ZmqDealer(self.endpoint, receiver, self.reactor, limits=self.limits,
-                         curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
         """A relayed pipe, a DEALER of its own (alone or the probe unanswered), or one awaiting the answer."""
