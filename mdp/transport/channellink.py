@@ -1,5 +1,5 @@
 """The channels of one stream connection, without I/O: the core of
-:class:`~mdp.transport.channels.StreamChannels` and of the blocking client's link."""
+:class:`~mdp.transport.channels.StreamChannels` and of the blocking client's link; ZmqChannels' hop names."""
 
 from __future__ import annotations
 
