@@ -39,7 +39,7 @@ def _check(link: ChannelLink, pipes: list[Channel]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(EVENTS)
 def test_any_run_of_events_keeps_the_rules_of_the_channels(events: list[tuple[str, int]]) -> None:
-    link = ChannelLink(Limits(maxOutputBytes=1000), maxQueued=5)
+    link = ChannelLink()
     pipes: list[Channel] = []
     for kind, which in events:
         pipe = pipes[which % len(pipes)] if pipes else None
@@ -73,7 +73,7 @@ def test_any_run_of_events_keeps_the_rules_of_the_channels(events: list[tuple[st
         elif kind == "comeUp":
             link.comeUp(pipe)
         elif kind == "hold" and not pipe.closed:
-            link.hold(pipe, [b"x" * which])
+            link.hold(pipe, [b"x" * which], held_bytes([b"x" * which]))
         elif kind == "release":
             link.release(pipe)
         elif kind == "close":
@@ -86,7 +86,7 @@ def test_any_run_of_events_keeps_the_rules_of_the_channels(events: list[tuple[st
 
 
 def test_stale_is_what_comes_before_a_channels_message_left_whole() -> None:
-    link = ChannelLink(Limits())
+    link = ChannelLink()
     pipe = Channel()
     link.open(pipe)
     link.unsent[pipe.id] = 100

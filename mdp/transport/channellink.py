@@ -1,5 +1,5 @@
 """The channels of one stream connection, without I/O: the core of
-:class:`~mdp.transport.channels.StreamChannels` and of the blocking client's link."""
+:class:`~mdp.transport.channels.StreamChannels` and of the blocking client's link; ZmqChannels' hop names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from twisted.internet.error import ConnectionDone, ConnectionLost
 
-from mdp.policy import RECONNECT, Limits, held_bytes
+from mdp.policy import RECONNECT
 from mdp.transport.framing import LengthPrefixedFraming, encode_record
 
 END = encode_record([])  #: what ends a channel: a record of no frames
@@ -43,19 +43,16 @@ class ChannelLink:
     new name after a delay).  Methods return what the shell must do; *ended* and *dropped* (for another
     channel's record) are the shell's exception classes for a loss."""
 
-    def __init__(self, limits: Limits, maxQueued: int = 1000,
-                 retryPolicy: Optional[Callable[[int], float]] = None,
+    def __init__(self, retryPolicy: Optional[Callable[[int], float]] = None,
                  ended: type[BaseException] = ConnectionDone,
                  dropped: type[BaseException] = ConnectionLost) -> None:
-        self.limits = limits
         self.ended = ended
         self.dropped = dropped
-        self.maxQueued = maxQueued
         #: times in a row a channel was ended -> seconds before it comes up again
         self.retryPolicy = retryPolicy or RECONNECT.retryPolicy()
         self.channels: dict[bytes, Channel] = {}
         self.connected = False
-        #: what the channels hold, bounded together
+        #: what the channels hold (the shell bounds it)
         self.queued = 0
         self.queuedBytes = 0
         #: channel -> where its message ends in the bytes sent (before: stale)
@@ -134,18 +131,14 @@ class ChannelLink:
         why = self.ended("the far side ended this channel") if was else None
         return record, why, self.retryPolicy(channel.ends)
 
-    def hold(self, channel: Channel, frames: list[bytes]) -> bool:
-        """Keep what *channel* sent while not up; False if over the bounds."""
-        size = held_bytes(frames)
-        if self.queued >= self.maxQueued or self.queuedBytes + size > self.limits.maxOutputBytes:
-            return False
+    def hold(self, channel: Channel, frames: list[bytes], size: int) -> None:
+        """Keep what *channel* sent while not up, of *size* bytes (``held_bytes``)."""
         if channel.held is None:
             channel.held = deque()
         channel.held.append(list(frames))
         channel.heldBytes += size
         self.queued += 1
         self.queuedBytes += size
-        return True
 
     def release(self, channel: Channel) -> deque[list[bytes]]:
         """What *channel* held, to send now."""

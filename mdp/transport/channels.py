@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -41,14 +41,12 @@ class _StreamChannel(Channel):
 
     def discardReceived(self) -> int:
         """Drop its messages of this read not delivered yet; how many."""
-        link, name = self.link, self.id
-        pending = link._pending
-        count = 0 if pending is None else link._waiting.get(name, 0)
-        if count:  # (as many of the rest of the read are its)
-            link._waiting[name] = 0
-            for i in range(link._at, len(pending)):
-                if pending[i] is not None and pending[i][0] == name:
-                    pending[i] = None
+        link, name, count = self.link, self.id, 0
+        pending = link._pending or ()
+        for i in range(link._at, len(pending)):
+            if pending[i] is not None and pending[i][0] == name:
+                pending[i] = None
+                count += 1
         return count
 
     def sendMessage(self, frames: list[bytes]) -> None:
@@ -56,8 +54,10 @@ class _StreamChannel(Channel):
         proto = link.protocol
         if self.up and proto is not None:
             proto._queue(proto.encode(frames), self.id)
-        elif not self.closed and link._admit(frames, link.core.queued) is not None:
-            link.core.hold(self, frames)  # (sent once it is up)
+        elif not self.closed:
+            size = link._admit(frames, link.core.queued)
+            if size is not None:
+                link.core.hold(self, frames, size)  # (sent once it is up)
 
     def close(self) -> defer.Deferred[None]:
         """End its channel; the last closes the connection."""
@@ -99,10 +99,9 @@ class StreamChannels(_OneConnection):
     def __init__(self, endpoint: str, reactor: Any, limits: Limits = Limits(),
                  retryPolicy: Optional[Callable[[int], float]] = None) -> None:
         super().__init__(endpoint, reactor, limits, CHANNELS, None)
-        self.core = ChannelLink(limits, self.maxQueued, retryPolicy)
+        self.core = ChannelLink(retryPolicy)
         self._pending: Optional[list[Any]] = None
         self._at = 0
-        self._waiting: dict[bytes, int] = {}
 
     @property
     def queued(self) -> int:
@@ -159,14 +158,11 @@ class StreamChannels(_OneConnection):
         self._pending = messages
         core = self.core
         channels = core.channels
-        # by channel, its messages still to come in this read
-        waiting = self._waiting = Counter(channel for channel, _ in messages)
         try:
             for i, item in enumerate(messages):
                 if item is None:
                     continue
                 self._at = i + 1
-                waiting[item[0]] -= 1
                 channel = channels.get(item[0])
                 if channel is None:
                     continue

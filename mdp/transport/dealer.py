@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Optional
 
-import attrs
 from twisted.application.internet import ClientService
 from twisted.internet import defer
 from twisted.internet.endpoints import clientFromString
@@ -43,6 +42,7 @@ class _DealerConnection(FramedProtocol):
     _early: Optional[list[Any]] = None
 
     def connectionMade(self) -> None:
+        self.dealer = self.factory.dealer
         self.limits = self.dealer.limits
         self.framing = self.dealer.framing
         self.identity = self.dealer.identity
@@ -115,27 +115,6 @@ class _DealerConnection(FramedProtocol):
         self.paused = False
 
 
-@attrs.define(repr=False)
-class _ReportingEndpoint:
-    """A client endpoint that reports each failed attempt, shown as its string."""
-
-    endpoint: Any
-    description: str
-    failed: Callable[[Any], None]
-
-    def connect(self, factory: Any) -> defer.Deferred[Any]:
-        def failed(failure: Any) -> Any:
-            self.failed(failure.value)
-            return failure
-
-        return self.endpoint.connect(factory).addErrback(failed)
-
-    def __str__(self) -> str:
-        return self.description
-
-    __repr__ = __str__
-
-
 class _OneConnection:
     """A connecting side's one connection (``protocol``, None while down) and its
     flow control; what is sent meanwhile waits, within ``maxQueued`` and bytes."""
@@ -160,21 +139,26 @@ class _OneConnection:
 
     def _start(self, retryPolicy: Optional[Callable[[int], float]]) -> None:
         """Start the :class:`ClientService` keeping the connection."""
-        factory = Factory.forProtocol(lambda: None)
-        factory.buildProtocol = self._buildProtocol  # type: ignore[method-assign]
+        factory = Factory.forProtocol(_DealerConnection)
+        factory.dealer = self  # type: ignore[attr-defined]
         factory.noisy = False
         policy = retryPolicy or RECONNECT.retryPolicy()
-        service = ClientService(
-            _ReportingEndpoint(clientFromString(self.reactor, self.endpoint), self.endpoint, self._failed),
-            factory, retryPolicy=lambda attempt: policy(attempt + max(0, self._unproven - 1)),
+        self._connector = clientFromString(self.reactor, self.endpoint)
+        service = ClientService(  # (its endpoint: this, to report each failed attempt)
+            self, factory, retryPolicy=lambda attempt: policy(attempt + max(0, self._unproven - 1)),
             clock=self.reactor)
         service.startService()
         self.service = service  # (an attempt failing meanwhile is not reported)
 
-    def _buildProtocol(self, addr: object) -> _DealerConnection:
-        proto = _DealerConnection()
-        proto.dealer = self  # type: ignore[assignment]
-        return proto
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        return self._connector.connect(factory).addErrback(self._attemptFailed)
+
+    def _attemptFailed(self, failure: Failure) -> Failure:
+        self._failed(failure.value)
+        return failure
+
+    def __str__(self) -> str:  # (as the service logs its endpoint)
+        return self.endpoint
 
     def _admit(self, frames: list[bytes], count: int) -> Optional[int]:
         """What *frames* cost held, or None (warned) past the bounds."""

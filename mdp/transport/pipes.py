@@ -487,7 +487,7 @@ class _StreamLink(_StreamPipe):
     def __init__(self, loop: Any, endpoint: str, family: int, address: Any) -> None:
         # whole before the base joins the loop's timed pipes (an interrupt there: closable)
         self.endpoint = endpoint
-        self.core = ChannelLink(loop.limits, ended=ConnectionError, dropped=ConnectionError)
+        self.core = ChannelLink(ended=ConnectionError, dropped=ConnectionError)
         #: pipes to tell of the loss before any reconnection
         self.lossesToTell: deque[tuple[_LinkPipe, BaseException]] = deque()
         super().__init__(loop, self, None, family, address)

@@ -6,6 +6,7 @@ a second pipe opens, a *probe* goes on a relay hop; a pipe waits up to
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable, Optional
 
 from twisted.internet import defer
@@ -16,6 +17,7 @@ from zope.interface import implementer
 from mdp.errors import OversizedMessage
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IDealerTransport
 from mdp.policy import Limits, LogThrottle, cancel_call
+from mdp.transport.channellink import Channel, ChannelLink
 from mdp.transport.zeromq import ZmqDealer
 
 log = Logger(namespace=__name__)
@@ -29,22 +31,21 @@ ALONE, PROBING, UNANSWERED, RELAYING = "alone", "probing", "unanswered", "relayi
 
 
 @implementer(IDealerTransport)
-class ZmqChannel:
-    """A pipe: a relay hop on the link's DEALER or (``alone``) a DEALER of its own; held until known."""
+class ZmqChannel(Channel):
+    """A pipe: a relay hop (``id``) on the link's DEALER or (``alone``) its own DEALER; held until known."""
 
-    hop: Optional[bytes] = None
     alone: Optional[ZmqDealer] = None
-    closed = False
 
     def __init__(self, link: ZmqChannels, receiver: IDealerReceiver) -> None:
+        super().__init__()
         self.link = link
         self.endpoint = link.endpoint
         self.receiver = receiver
-        self.held: list[list[bytes]] = []
+        self.pending: list[list[bytes]] = []
 
     @property
     def connected(self) -> bool:  # (a DEALER of its own is, from the start)
-        return self.alone is not None or self.hop is not None and self.link.up and not self.closed
+        return self.alone is not None or bool(self.id) and self.link.up and not self.closed
 
     @property
     def writable(self) -> bool:
@@ -61,23 +62,22 @@ class ZmqChannel:
             self.alone.sendMessage(frames)
         elif self.closed:
             return
-        elif self.hop is not None:
-            self.link.dealer.sendMessage([self.hop, *frames])
-        elif len(self.held) < MAX_HELD:
-            self.held.append(list(frames))
+        elif self.id:
+            self.link.dealer.sendMessage([self.id, *frames])
+        elif len(self.pending) < MAX_HELD:
+            self.pending.append(list(frames))
         else:
             self.link.throttle.warn(log, "held", "zmq pipe to {endpoint} refused a message: "
                                     "{count} wait for the broker's answer to the probe",
-                                    endpoint=self.endpoint, count=len(self.held))
+                                    endpoint=self.endpoint, count=len(self.pending))
 
     def release(self) -> None:  # what was held, now that the pipe knows its way
-        held, self.held = self.held, []
+        held, self.pending = self.pending, []
         for frames in held:
             self.sendMessage(frames)
 
     def close(self) -> defer.Deferred[None]:
-        self.closed = True
-        self.held = []
+        self.pending = []
         self.link.forget(self)
         return self.alone.close() if self.alone is not None else defer.succeed(None)
 
@@ -88,7 +88,6 @@ class ZmqChannels:
 
     state = ALONE
     up = closed = False
-    _next = 0  # the last hop
     _waitCall: Any = None
     dealer: Any = None  # of the relay hops, once a second pipe is open
 
@@ -98,16 +97,14 @@ class ZmqChannels:
         self.probe = probe
         self.reactor = reactor
         self.limits = limits
-        self.retryPolicy = retryPolicy
-        self.security = security
+        #: a new DEALER to the endpoint, for a receiver
+        self._dealer = partial(ZmqDealer, endpoint, reactor=reactor, limits=limits, curve=security,
+                               retryPolicy=retryPolicy)
         self.throttle = LogThrottle(reactor)
-        self.relayed: dict[bytes, ZmqChannel] = {}
+        self.hops = ChannelLink()  # (names the hops)
+        self.relayed: dict[bytes, Any] = self.hops.channels
         self.waiting: list[ZmqChannel] = []
         self.alone: weakref.WeakSet[ZmqDealer] = weakref.WeakSet()
-
-    def _dealer(self, receiver: Any) -> ZmqDealer:
-        return ZmqDealer(self.endpoint, receiver, self.reactor, limits=self.limits,
-                         curve=self.security, retryPolicy=self.retryPolicy)
 
     def open(self, receiver: IDealerReceiver) -> IDealerTransport:
         """A relayed pipe, a DEALER of its own (alone or the probe unanswered), or one awaiting the answer."""
@@ -131,19 +128,13 @@ class ZmqChannels:
         return pipe
 
     def _relay(self, pipe: ZmqChannel) -> None:
-        while True:
-            self._next = self._next % 0xFFFFFFFF + 1
-            hop = self._next.to_bytes(4, "big")
-            if hop not in self.relayed:
-                break
-        pipe.hop = hop
-        self.relayed[hop] = pipe
+        self.hops.open(pipe)
         pipe.release()
         if self.up:
             self.reactor.callLater(0, self._made, pipe)
 
     def _made(self, pipe: ZmqChannel) -> None:
-        if self.relayed.get(pipe.hop) is pipe and self.up:
+        if self.relayed.get(pipe.id) is pipe and self.up:
             pipe.receiver.connectionMade()
 
     def _unanswered(self) -> None:
@@ -161,8 +152,7 @@ class ZmqChannels:
                 pipe.release()
 
     def forget(self, pipe: ZmqChannel) -> None:
-        if pipe.hop is not None and self.relayed.get(pipe.hop) is pipe:
-            del self.relayed[pipe.hop]
+        self.hops.close(pipe)
         if pipe in self.waiting:
             self.waiting.remove(pipe)
 
