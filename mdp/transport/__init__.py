@@ -407,9 +407,8 @@ register(Scheme("loopback", _check_loopback, _listen_loopback, _connect_loopback
 def _register_more() -> None:
     """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:``, ``loopback:`` (imported at first use)."""
     from mdp.transport import stream
-    from mdp.transport.endpoints import STREAM_SCHEMES
 
-    for name in STREAM_SCHEMES:
+    for name in ("tcp", "tcp6", "ssl", "tls", "unix"):  # Twisted's stream endpoint types
         register(stream.scheme(name))
 
     def session(name: str) -> Callable[..., Any]:
