@@ -514,8 +514,7 @@ class BinaryStar:
         actions = self.machine.handlePeerState(peer.state, peer.role, peer.uptime, now,
                                                peerInstance=peer.instance, peerHeartbeat=peer.heartbeat)
         if channel == self.machine.channel:  # not made stale by a stall it revealed
-            if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
-                                          > self.machine.failoverTimeout):
+            if self.peerHeard is None or now - self.peerHeard > self.machine.failoverTimeout:
                 self._say("info", "the peer ({peerRole}, state {peerState}) heard at {remote}",
                           peerRole=peer.role.value, peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
