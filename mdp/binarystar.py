@@ -514,8 +514,7 @@ class BinaryStar:
         actions = self.machine.handlePeerState(peer.state, peer.role, peer.uptime, now,
                                                peerInstance=peer.instance, peerHeartbeat=peer.heartbeat)
         if channel == self.machine.channel:  # not made stale by a stall it revealed
-            if self.peerState is None or (self.peerHeard is not None and now - self.peerHeard
-                                          > self.machine.failoverTimeout):
+            if self.peerHeard is None or now - self.peerHeard > self.machine.failoverTimeout:
                 self._say("info", "the peer ({peerRole}, state {peerState}) heard at {remote}",
                           peerRole=peer.role.value, peerState=peer.state.name.lower(), remote=self.remote)
             self.peerState, self.peerHeard = peer.state, now
@@ -548,18 +547,16 @@ class BinaryStar:
         old = self._subscriber  # replaced: what waits on it is stale
         self._subscriber = _Subscriber(self)
         if old.transport is not None:
-            defer.maybeDeferred(old.transport.close).addErrback(
-                lambda f: log.failure("Binary Star could not close its stale state pipe", f))
+            transport.close_all([old.transport], "Binary Star's stale state pipe")
             old.transport = None
             self._connectSubscriber()
             self._subscribe()
 
     def _fatal(self, action: Fatal) -> None:
         self._say("critical", "fatal: {reason}; this server stops", reason=action.reason)
-        # close the channel outside the transport callback that brought the news
+        # close the channel outside the transport callback that brought the news (stop logs a failure)
         self._halt()
-        self.reactor.callLater(0, lambda: self.stop().addErrback(
-            lambda f: log.failure("Binary Star could not close its state channel", f)))
+        self.reactor.callLater(0, self.stop)
         self._notify("fatal", action.reason)
 
     def _connectSubscriber(self) -> None:

@@ -677,7 +677,7 @@ def test_servers_raise_the_soft_descriptor_limit_as_far_as_it_goes(
         monkeypatch: Any, soft: int, hard: int, most: int, raised: int) -> None:
     fake = FakeLimits(soft, hard, most)
     monkeypatch.setattr(endpoints, "resource", fake)
-    assert stream.raise_descriptor_limit() == raised
+    assert endpoints.raise_descriptor_limit() == raised
     assert fake.limits[0] == raised
 
 

@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 from twisted.internet import defer
 
 from mdp.titanic import TitanicStoreFull, protocol
-from mdp.titanic.integrity import wal_damage
 from mdp.titanic.server import TitanicServer
-from mdp.titanic.store import MemoryStore
+from mdp.titanic.store import MemoryStore, wal_damage
 
 
 @pytest_twisted.ensureDeferred

@@ -229,7 +229,9 @@ class _FreelanceClient:
         self.limits = limits
         self.curve = curve_client(curveServerPublic, curveSecret)
         self.throttle = LogThrottle(self.reactor)
-        self.router = self._connectRouter()
+        #: model 3's connecting router
+        self.router = (transport.connect_peers(self, self.reactor, security=self.curve, limits=limits)
+                       if isinstance(machine, AgentMachine) else None)
         self.pipes: dict[Any, _Pipe] = {}
         self._timers: dict[tuple[bytes, str], Any] = {}
         self._deferreds: dict[bytes, defer.Deferred[list[bytes]]] = {}
@@ -248,9 +250,6 @@ class _FreelanceClient:
             transport.check_curve_client(listed, self.curve)
         for endpoint in listed:
             self._perform(machine.handleConnect(endpoint, self.reactor.seconds()))
-
-    def _connectRouter(self) -> Any:
-        return None  # model 3's connecting router
 
     added = machine_view("endpoints", "The servers' endpoints, in the order they were added.")
     timeout = machine_view("timeout", "Seconds one attempt may take (each request's default).")
@@ -376,9 +375,6 @@ class AgentClient(_FreelanceClient):
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = self.reactor
         self._ticker.start(self.machine.wakeEvery, now=False)
-
-    def _connectRouter(self) -> Any:
-        return transport.connect_peers(self, self.reactor, security=self.curve, limits=self.limits)
 
     heartbeat = machine_view("heartbeat", "The agent's HeartbeatPolicy.")
     servers = machine_view("servers", "What the agent knows of each server (a KnownServer), by endpoint.")

@@ -202,9 +202,6 @@ class SequentialMachine(FreelanceMachine):
         call.round = list(self.endpoints)
         self._next(call)
 
-    def _attemptOver(self, call: _Call) -> None:
-        self._next(call)
-
     def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         if call.attempts < len(call.round):
             self._next(call)  # the next server, at once
@@ -222,6 +219,8 @@ class SequentialMachine(FreelanceMachine):
         self._outbox += [OpenPipe(call.sequence, endpoint, call),
                          SendPipe(call.sequence, [call.sequence, *call.body], call),
                          Later(call, ATTEMPT, call.timeout)]
+
+    _attemptOver = _next  # the next server
 
     def _drop(self, call: _Call) -> None:
         if call.server is not None:
@@ -246,8 +245,7 @@ class ShotgunMachine(FreelanceMachine):
         self._outbox += [SendPipe(endpoint, [call.sequence, *call.body], call) for endpoint in self.endpoints]
         self._outbox.append(Later(call, ATTEMPT, call.timeout))
 
-    def _attemptOver(self, call: _Call) -> None:
-        self._expired(call)
+    _attemptOver = FreelanceMachine._expired  # its one attempt is the whole request
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         # fail once every server said 429, counted by server (unknown origin: alone)
@@ -344,9 +342,6 @@ class AgentMachine(FreelanceMachine):
                 if call.state is RequestState.SENT and call.server == server.endpoint:
                     self._send(call)  # do not wait for its attempt to time out
 
-    def _start(self, call: _Call) -> None:
-        self._send(call)
-
     def _send(self, call: _Call) -> None:
         """Send *call* to the first live server not tried this round (all tried: a
         new round); none live: WAITING."""
@@ -365,6 +360,8 @@ class AgentMachine(FreelanceMachine):
         call.state = RequestState.SENT
         self._outbox += [SendPeer(endpoint, [call.sequence, *call.body], call),
                          Later(call, ATTEMPT, call.timeout)]
+
+    _start = _send
 
     def _overloaded(self, call: _Call, error: ServiceOverloaded, endpoint: Optional[str]) -> None:
         """A 429: its server becomes SUSPECT and the request goes to a live server

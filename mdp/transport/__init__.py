@@ -154,9 +154,11 @@ def warn_if_open(endpoint: str, security: Any, what: str,
     return True
 
 
-def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[str, Any]:
+def _scheme(endpoint: str, role: str, security: Any) -> tuple[Scheme, dict[str, Any]]:
+    """The scheme of *endpoint* for *role*, and the keywords that give it *security*."""
+    scheme = lookup(endpoint, role)
     if security is None:
-        return {}
+        return scheme, {}
     if not scheme.secure:
         raise TransportError(f"{endpoint!r}: {scheme.name}: endpoints take no {type(security).__name__} "
                              "(CURVE is for zmq: endpoints; TLS is an ssl: endpoint)")
@@ -166,7 +168,7 @@ def _security(scheme: Scheme, endpoint: str, security: Any, role: str) -> dict[s
     if not isinstance(security, getattr(curve, kind)):
         raise TransportError(f"{endpoint!r}: a ZeroMQ {side}'s security is a {kind}, "
                              f"not {type(security).__name__}")
-    return {"security": security}
+    return scheme, {"security": security}
 
 
 def listen(endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = None, *,
@@ -174,8 +176,7 @@ def listen(endpoint: str, receiver: IRouterReceiver, reactor: Optional[Any] = No
     """Bind *endpoint*; fires with an :class:`IRouterTransport` enforcing *limits*
     (*security*: a :class:`~mdp.transport.curve.CurveServer`).  A malformed
     endpoint raises :class:`TransportError`; a failure to bind fails with one."""
-    scheme = lookup(endpoint, LISTEN)
-    extra = _security(scheme, endpoint, security, LISTEN)
+    scheme, extra = _scheme(endpoint, LISTEN, security)
     return defer.maybeDeferred(_opening, "listen on", endpoint, scheme.listen, receiver,
                                default_reactor(reactor), limits, **extra)
 
@@ -186,8 +187,7 @@ def connect(endpoint: str, receiver: IDealerReceiver, reactor: Optional[Any] = N
     """Open a DEALER-like pipe to *endpoint* (``receiver.connectionMade`` once
     usable); *retryPolicy* (attempt -> seconds) paces reconnection, *identity*
     is the peer id the far side sees, *security* a ``CurveClient``."""
-    scheme = lookup(endpoint, CONNECT)
-    extra = _security(scheme, endpoint, security, CONNECT)
+    scheme, extra = _scheme(endpoint, CONNECT, security)
     if identity is not None:
         if not isinstance(identity, bytes) or not 0 < len(identity) < 256 or identity[0] == 0:
             raise ValueError("an identity is 1 to 255 bytes and does not start with a zero byte, "
@@ -246,9 +246,8 @@ def connect_channels(endpoint: str, reactor: Optional[Any] = None, *,
     """Many DEALER-like pipes to *endpoint* (:class:`IDealerChannels`), over one connection where the scheme
     has channels, or on ``zmq:`` given *relayProbe*, as relay hops on one DEALER if the server answers it
     (:mod:`.zmqchannels`); the other arguments are :func:`connect`'s."""
-    scheme = lookup(endpoint, CONNECT)
+    scheme, _ = _scheme(endpoint, CONNECT, security)
     reactor = default_reactor(reactor)
-    _security(scheme, endpoint, security, CONNECT)
     if scheme.name == "zmq" and relayProbe is not None:
         from mdp.transport.zmqchannels import ZmqChannels
 
@@ -408,7 +407,7 @@ def _register_more() -> None:
     """The stream schemes, and ``session+`` over ``zmq:``, ``tcp:``, ``loopback:`` (imported at first use)."""
     from mdp.transport import stream
 
-    for name in stream.STREAM_SCHEMES:
+    for name in ("tcp", "tcp6", "ssl", "tls", "unix"):  # Twisted's stream endpoint types
         register(stream.scheme(name))
 
     def session(name: str) -> Callable[..., Any]:

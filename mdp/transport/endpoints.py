@@ -105,9 +105,6 @@ def server_endpoint(reactor: Any, description: str) -> Any:
 #: The longest path a local socket can have (``sun_path``).
 UNIX_PATH_MAX = 104 if sys.platform == "darwin" or "bsd" in sys.platform else 108
 
-#: The Twisted stream endpoint types registered (``tls:`` only connects, ``tcp6:`` only listens).
-STREAM_SCHEMES = ("tcp", "tcp6", "ssl", "tls", "unix")
-
 
 def check_endpoint(endpoint: str, role: str) -> None:
     """Check a stream endpoint string for *role* without starting anything."""

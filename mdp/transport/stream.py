@@ -6,34 +6,16 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from mdp.interfaces import IDealerReceiver
-from mdp.policy import RECONNECT, Limits
+from mdp.policy import Limits
 from mdp.transport.channels import StreamChannels
-from mdp.transport.dealer import PROVEN_AFTER, StreamDealer
-from mdp.transport.endpoints import (
-    DESCRIPTOR_RESERVE,
-    SELECT_LIMIT,
-    STREAM_SCHEMES,
-    UNIX_PATH_MAX,
-    check_endpoint,
-    connect_description,
-    descriptor_budget,
-    raise_descriptor_limit,
-    server_description,
-    server_endpoint,
-    subject,
-)
+from mdp.transport.dealer import StreamDealer
+from mdp.transport.endpoints import check_endpoint, descriptor_budget
 from mdp.transport.framed import FLUSH_BYTES, FramedProtocol
 from mdp.transport.registry import Scheme
-from mdp.transport.router import MAX_UNACKNOWLEDGED, StreamRouter
-from mdp.transport.tls import CA_CERTS, LISTEN_BACKLOG
+from mdp.transport.router import StreamRouter
 
-__all__ = [
-    "CA_CERTS", "DESCRIPTOR_RESERVE", "FLUSH_BYTES", "LISTEN_BACKLOG", "MAX_UNACKNOWLEDGED",
-    "PROVEN_AFTER", "RECONNECT", "SELECT_LIMIT", "STREAM_SCHEMES", "UNIX_PATH_MAX",
-    "FramedProtocol", "StreamChannels", "StreamDealer", "StreamRouter", "check_endpoint",
-    "connect_description", "descriptor_budget", "raise_descriptor_limit", "scheme",
-    "server_description", "server_endpoint", "subject",
-]
+__all__ = ["FLUSH_BYTES", "FramedProtocol", "StreamChannels", "StreamDealer", "StreamRouter",
+           "descriptor_budget", "scheme"]
 
 
 def _connect(endpoint: str, receiver: IDealerReceiver, reactor: Any, limits: Limits,
