@@ -1,55 +1,7 @@
-"""What a broker keeps: its requests and registered workers, their states and
-transitions (as :class:`~mdp.majordomo.broker_machine.BrokerMachine` decides
-them), and the service queues that hold them.
-
-Theory of operation
--------------------
-One :class:`ServiceQueue` per service holds the requests waiting (round-robin
-over clients) and the idle workers (least recently used first).  Each
-assignment gets an envelope of its own (the client frame of the worker REQUEST),
-and a reply is forwarded only with the envelope of the worker's current
-assignment: a second FINAL, or a reply to an assignment taken back, never
-completes another request.  Limits are in ``docs/reliability.md``.
-
-A registered worker (a :class:`WorkerRef`, in a :class:`WorkerState`):
-
-======  ============================================================  ====  ==============================
-state   event                                                         next  actions
-======  ============================================================  ====  ==============================
-(none)  READY admitted, within ``maxWorkers``/``maxServiceWorkers``   IDLE  back of the idle line
-(none)  READY refused; any other command                              --    DISCONNECT
-IDLE    a request for its service, none ahead                         BUSY  REQUEST, new envelope
-BUSY    PARTIAL with the current envelope                             BUSY  PARTIAL to the client
-BUSY    FINAL with the current envelope                               IDLE  FINAL to the client
-BUSY    FINAL with the envelope it answered last                      same  dropped
-any     any message                                                   same  its silence restarts
-any     tick, nothing sent for half an interval                       same  HEARTBEAT
-any     DISCONNECT; peer lost; silent beyond ``interval × liveness``  GONE  request taken back
-any     PARTIAL/FINAL idle or misaddressed; READY again; REQUEST      GONE  DISCONNECT; request taken back
-======  ============================================================  ====  ==============================
-
-A client request (a :class:`PendingRequest`, in a :class:`RequestState`):
-
-========  =====================================================  ==========  ===========================
-state     event                                                  next        actions
-========  =====================================================  ==========  ===========================
-NEW       refused by the ``admission`` (not ``mmi.binarystar``)  DONE        none: client tries another
-NEW       ``mmi.*``; too large; queues full                      DONE        answered at once (413, 429)
-NEW       an idle worker and nothing queued                      ASSIGNED    REQUEST to the worker
-NEW       else                                                   QUEUED      waits in its service queue
-QUEUED    a worker of its service is idle                        ASSIGNED    REQUEST to the worker
-QUEUED    waited ``requestExpiry``                               DONE        503 error reply
-QUEUED    no worker registered in ``unknownServiceExpiry``       DONE        503 error reply
-QUEUED    late FINAL (no PARTIAL) of the worker taken from       DONE        FINAL to the client
-QUEUED    its client is lost                                     DONE        forgotten
-ASSIGNED  PARTIAL; FINAL                                         same; DONE  to the client
-ASSIGNED  a reply part too large for the client                  ANSWERED    413 (a FINAL: DONE)
-ANSWERED  PARTIAL; FINAL or its worker GONE                      same; DONE  dropped
-ASSIGNED  its worker is GONE                                     QUEUED      at the head (restart marker
-                                                                             first if PARTIALs went)
-ASSIGNED  its worker is GONE ``maxDeliveries`` times             DONE        500 error reply
-========  =====================================================  ==========  ===========================
-"""
+"""What a broker keeps: its requests (:class:`PendingRequest`, in a :class:`RequestState`), its
+registered workers (:class:`WorkerRef`, in a :class:`WorkerState`) and the :class:`ServiceQueue` of
+each service that holds them.  :class:`~mdp.majordomo.broker_machine.BrokerMachine` decides their
+transitions (docs/machines.md)."""
 
 from __future__ import annotations
 

@@ -1,50 +1,8 @@
 """The MDP/0.2 client's decisions: :class:`ClientMachine`, driven by
-:class:`mdp.majordomo.client.Client` and :class:`mdp.blocking.Client`.
-
-Theory of operation: each request (``_Call``) is in a :class:`CallState`, each
-connection of the pool (``_Channel``) in a :class:`ChannelState`.  A request's states:
-
-===========  ==========================  ==========  ==============================================
-state        event                       next        actions
-===========  ==========================  ==========  ==============================================
-(new)        ``request()``               QUEUED      attempt 1 starts; waits in the client's FIFO
-QUEUED       a connection is idle, or    IN_FLIGHT   the connection sends it now, or once its pipe
-             one may be opened                       is up
-IN_FLIGHT,   PARTIAL                     STREAMING   ``onPartial(body)``
-STREAMING
-IN_FLIGHT,   FINAL                       DONE        connection freed; the Deferred fires (fails
-STREAMING                                            for an error reply)
-IN_FLIGHT    pipe broke                  IN_FLIGHT   sent again once the pipe is back
-IN_FLIGHT,   pipe ended by a reply over  DONE        ``ReplyTooLarge`` (sent again, it would only
-STREAMING    this client's limits                    run again)
-STREAMING    pipe broke, restart marker  IN_FLIGHT   ``onRestart()`` (without: ``StreamRestarted``)
-IN_FLIGHT,   the attempt runs out        QUEUED      connection discarded, next endpoint;
-STREAMING                                (at head)   ``onRestart()`` if it was STREAMING
-QUEUED       the attempt runs out        QUEUED      keeps its place in the FIFO
-any          the last attempt runs out   DONE        ``RequestTimeout`` (also STREAMING without
-                                                     ``onRestart``)
-any          ``cancel()``                DONE        leaves the FIFO; one in flight is *abandoned*:
-                                                     its connection keeps it until its reply or
-                                                     deadline, unless a request waits
-any          ``close()``                 DONE        ``ClientClosed``
-===========  ==========================  ==========  ==============================================
-
-A connection's states (it carries at most one request; see :mod:`mdp.majordomo.client`):
-
-=====  ==================  =====  ====================================================
-state  event               next   actions
-=====  ==================  =====  ====================================================
-DOWN   given a request     DOWN   none yet
-DOWN   pipe up             UP     send its request if it carries one not DONE: SENT
-UP     given a request     SENT   send it
-SENT   FINAL               UP     carries nothing: serves the next request
-UP,    pipe broke          DOWN   tell the client (a STREAMING request restarts)
-SENT
-=====  ==================  =====  ====================================================
-
-A reply on a connection carrying nothing, or one whose request timed out, discards that connection.
-With ``stamp=True`` each request carries the client's id and a sequence number, the same on each
-retry (:mod:`mdp.majordomo.idempotence`)."""
+:class:`mdp.majordomo.client.Client` and :class:`mdp.blocking.Client`.  Each request is in a
+:class:`CallState`, each connection of the pool in a :class:`ChannelState` (the transitions:
+docs/machines.md).  With ``stamp=True`` each request carries the client's id and a sequence
+number, the same on each retry (:mod:`mdp.majordomo.idempotence`)."""
 
 from __future__ import annotations
 

@@ -1,35 +1,9 @@
 """The MDP/0.2 worker: serves one service through a broker.  What a handler may return is in
 docs/mdp.md ("Worker").  Stamped requests (:mod:`mdp.majordomo.idempotence`) are unstamped first;
 with a reply store (``replies=``) one already answered is answered from it.  A handler exception is
-answered with a 500, a reply part over the limits with a 413.
-
-Theory of operation
--------------------
-:class:`WorkerMachine` decides; :class:`Worker` drives it.  The connection is one pipe to the current
-endpoint of a failover list; opening a pipe counts as hearing the broker, so one never up fails over too.
-
-=============  ==========================  ============  ==================================================
-state          event                       next          actions
-=============  ==========================  ============  ==================================================
-STOPPED        ``start()``                 CONNECTING    open a pipe; start the tick
-CONNECTING     pipe up                     READY         send READY
-READY          pipe broke                  CONNECTING    drop the request in hand (the transport reconnects)
-READY          HEARTBEAT                   READY         reset failures and refusals
-READY          REQUEST while idle          READY         run the handler; PARTIAL*, FINAL
-READY          DISCONNECT                  BACKING_OFF   close the pipe, next endpoint, wait 0 s the first
-                                                         time, then ``backoff.delay(refusals-1)``
-CONNECTING,    tick, broker silent over    BACKING_OFF   close the pipe, next endpoint, wait
-READY          ``interval × liveness``                   ``backoff.delay(failures)`` (several endpoints:
-                                                         0 s, then ``backoff.delay(failures-1)``)
-READY          tick, nothing sent for ¾    READY         send HEARTBEAT
-               of an interval
-BACKING_OFF    the delay is over           CONNECTING    open a fresh pipe
-any            ``stop()``                  STOPPED       DISCONNECT if READY; close
-=============  ==========================  ============  ==================================================
-
-Every message from the broker resets ``failures``; HEARTBEAT and REQUEST also reset ``refusals``.
-Messages while STOPPED or BACKING_OFF are ignored.  Every new or lost pipe bumps the *generation*: a
-reply for an older one is dropped (the broker re-queued it)."""
+answered with a 500, a reply part over the limits with a 413.  :class:`WorkerMachine` decides (its
+states and transitions: docs/machines.md); :class:`Worker` drives it over one pipe to the current
+endpoint of a failover list."""
 
 from __future__ import annotations
 
