@@ -86,9 +86,7 @@ def whole_option(option: str, least: int) -> Callable[[str], int]:
             number = int(value)
         except ValueError:
             raise ValueError(f"--{option}: not a whole number: {value!r}") from None
-        if number < least:
-            raise ValueError(f"--{option} must be at least {least}, got {number}")
-        return number
+        return policy.whole_number(f"--{option}", number, least)
 
     coerce.coerceDoc = f"A whole number, at least {least}."  # type: ignore[attr-defined]
     return coerce
