@@ -371,10 +371,6 @@ class _ServiceOptions(VersionedOptions):
     #: the :mod:`mdp.metrics` class that --metrics counts with
     metrics = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.Options = cls  # what the dropin's ServiceMaker parses with (twisted/plugins/mdp_plugins.py)
-
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         """Check the options of this role; a server returns its listeners (option: endpoint)."""
 

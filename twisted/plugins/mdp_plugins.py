@@ -14,13 +14,19 @@ from twisted.application.reactors import Reactor
 from twisted.application.service import ServiceMaker
 from twisted.internet.interfaces import IStreamServerEndpointStringParser
 from twisted.plugin import IPlugin
+from twisted.python.reflect import namedAny
 from zope.interface import implementer
 
 
+class _OptionsMaker(ServiceMaker):
+    """A ServiceMaker whose "module", imported on use, is an options class of :mod:`mdp.app.tap`:
+    ``makeService(options)`` is then the parsed options' own."""
+
+    options = property(lambda self: namedAny(self.module))
+
+
 def _plugin(tapname: str, options: str, description: str) -> ServiceMaker:
-    """``twist TAPNAME``: ServiceMaker imports its "module", the options class ``mdp.app.tap.OPTIONS``,
-    on use (its ``Options`` is itself; its ``makeService(options)``, the parsed options')."""
-    return ServiceMaker(tapname, f"mdp.app.tap.{options}", description, tapname)
+    return _OptionsMaker(tapname, f"mdp.app.tap.{options}", description, tapname)
 
 
 mdpBroker = _plugin("mdp-broker", "BrokerOptions", "MDP/0.2 (Majordomo) broker.")
