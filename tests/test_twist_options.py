@@ -326,7 +326,7 @@ def test_the_plugin_dropin_lists_the_plugins_and_imports_their_options_on_use() 
     and parsed, they make the entry's service."""
     import subprocess
 
-    from twisted.application.service import IServiceMaker
+    from twisted.application.service import IServiceMaker, ServiceMaker
     from twisted.plugin import IPlugin
 
     program = ("import sys, twisted.plugins.mdp_plugins\n"
@@ -337,7 +337,7 @@ def test_the_plugin_dropin_lists_the_plugins_and_imports_their_options_on_use() 
     assert imported.stdout.strip() == "[]"
     from twisted.plugins import mdp_plugins
 
-    entries = {v.options: v for v in vars(mdp_plugins).values() if isinstance(v, mdp_plugins._Maker)}
+    entries = {v.options: v for v in vars(mdp_plugins).values() if isinstance(v, ServiceMaker)}
     assert set(entries) == set(REQUIRED)
     for entry in entries.values():
         assert IServiceMaker.providedBy(entry) and IPlugin.providedBy(entry)

@@ -187,10 +187,8 @@ class MetricsService(_FailableService):
             errbackKeywords={"endpoint": self.endpoint})
 
     def _listening(self, port: Any) -> Optional[defer.Deferred[None]]:
-        if not self.running:  # stopped while it was binding
-            return defer.maybeDeferred(port.stopListening)
         self.port = port
-        return None
+        return None if self.running else self._stop()  # stopped while it was binding
 
     def _stop(self) -> defer.Deferred[None]:
         port, self.port = self.port, None

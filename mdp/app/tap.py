@@ -40,24 +40,17 @@ MAX_RECORD_PAYLOAD = 0xFFFFFFFE
 MIN_INTERVAL = 0.01
 
 
-def byte_size(value: str) -> int:
-    """Bytes with an optional binary unit (``64k``, ``16MiB``); at most :data:`MAX_BYTE_SIZE`."""
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a byte size: {value!r} (try 65536, 64KiB, 16MiB or 1GiB)")
-    size = int(match.group(1)) * _UNITS[match.group(2).lower()]
-    if size > MAX_BYTE_SIZE:
-        raise ValueError(f"byte size too large: {value.strip()} (at most {MAX_BYTE_SIZE} bytes)")
-    return size
-
-
 def _bytes(option: str, least: int) -> Callable[[str], int]:
-    """The coercer of the byte size option *option*: at least *least*."""
+    """The coercer of the byte size option *option* (``64k``, ``16MiB``): at least *least*, at most
+    :data:`MAX_BYTE_SIZE`."""
     def coerce(value: str) -> int:
-        try:
-            size = byte_size(value)
-        except ValueError as e:
-            raise ValueError(f"--{option}: {e}") from None
+        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"--{option}: not a byte size: {value!r} (try 65536, 64KiB, 16MiB or 1GiB)")
+        size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+        if size > MAX_BYTE_SIZE:
+            raise ValueError(f"--{option}: byte size too large: {value.strip()} "
+                             f"(at most {MAX_BYTE_SIZE} bytes)")
         if size < least:
             plural = "s" * (least != 1)
             raise ValueError(f"--{option} must be at least {least} byte{plural}, got {value.strip()}")
@@ -93,9 +86,7 @@ def whole_option(option: str, least: int) -> Callable[[str], int]:
             number = int(value)
         except ValueError:
             raise ValueError(f"--{option}: not a whole number: {value!r}") from None
-        if number < least:
-            raise ValueError(f"--{option} must be at least {least}, got {number}")
-        return number
+        return policy.whole_number(f"--{option}", number, least)
 
     coerce.coerceDoc = f"A whole number, at least {least}."  # type: ignore[attr-defined]
     return coerce

@@ -11,45 +11,32 @@ then happens outside it."""
 from typing import Any
 
 from twisted.application.reactors import Reactor
-from twisted.application.service import IServiceMaker
+from twisted.application.service import ServiceMaker
 from twisted.internet.interfaces import IStreamServerEndpointStringParser
 from twisted.plugin import IPlugin
+from twisted.python.reflect import namedAny
 from zope.interface import implementer
 
 
-@implementer(IServiceMaker, IPlugin)
-class _Maker:
-    """A ``twist`` plugin whose options (``mdp.app.tap.<options>``) are imported on use; the
-    parsed options make the service."""
+class _OptionsMaker(ServiceMaker):
+    """A ServiceMaker whose "module", imported on use, is an options class of :mod:`mdp.app.tap`:
+    ``makeService(options)`` is then the parsed options' own."""
 
-    def __init__(self, tapname: str, description: str, options: str) -> None:
-        self.tapname = tapname
-        self.description = description
-        self.optionsName = options
-
-    @property
-    def options(self) -> Any:
-        from mdp.app import tap
-
-        return getattr(tap, self.optionsName)
-
-    def makeService(self, options: Any) -> Any:
-        return options.makeService()
+    options = property(lambda self: namedAny(self.module))
 
 
-mdpBroker = _Maker("mdp-broker", "MDP/0.2 (Majordomo) broker.", "BrokerOptions")
-mdpWorker = _Maker("mdp-worker", "MDP/0.2 (Majordomo) worker running a handler.",
-                   "WorkerOptions")
-mdpFreelanceServer = _Maker(
-    "mdp-freelance-server",
-    "Freelance (brokerless) request-reply server, answering PING with PONG.",
-    "FreelanceServerOptions")
-mdpTitanic = _Maker("mdp-titanic",
-                    "Titanic: disk-backed, disconnected requests through an MDP broker.",
-                    "TitanicOptions")
-spRep = _Maker("sp-rep", "SP (nng) REP server running a handler.", "SPRepOptions")
-spDevice = _Maker("sp-device", "SP (nng) REQ/REP device forwarding requests upstream.",
-                  "SPDeviceOptions")
+def _plugin(tapname: str, options: str, description: str) -> ServiceMaker:
+    return _OptionsMaker(tapname, f"mdp.app.tap.{options}", description, tapname)
+
+
+mdpBroker = _plugin("mdp-broker", "BrokerOptions", "MDP/0.2 (Majordomo) broker.")
+mdpWorker = _plugin("mdp-worker", "WorkerOptions", "MDP/0.2 (Majordomo) worker running a handler.")
+mdpFreelanceServer = _plugin("mdp-freelance-server", "FreelanceServerOptions",
+                             "Freelance (brokerless) request-reply server, answering PING with PONG.")
+mdpTitanic = _plugin("mdp-titanic", "TitanicOptions",
+                     "Titanic: disk-backed, disconnected requests through an MDP broker.")
+spRep = _plugin("sp-rep", "SPRepOptions", "SP (nng) REP server running a handler.")
+spDevice = _plugin("sp-device", "SPDeviceOptions", "SP (nng) REQ/REP device forwarding requests upstream.")
 
 # ``twist --reactor=uvloop``: Twisted's asyncio reactor over uvloop (mdp.uvreactor),
 # what the plugins above install anyway when no --reactor is given
