@@ -12,7 +12,7 @@ import pytest_twisted
 from twisted.internet import defer
 from twisted.python import usage
 
-from mdp.app import cli, terminal
+from mdp.app import cli
 from tests.conftest import RawRouter
 from tests.procs import ENV, Process, python, reactor, script
 
@@ -262,10 +262,10 @@ def test_ctrl_c_before_the_reactor_runs_is_exit_130(monkeypatch: Any, capsys: An
 # --- what peers say, shown ----------------------------------------------------------------
 
 def test_control_characters_are_shown_escaped() -> None:
-    assert terminal.printable("\x1b[2J\x1b]0;title\x07 tab\there\n") == \
+    assert cli.printable("\x1b[2J\x1b]0;title\x07 tab\there\n") == \
         "\\x1b[2J\\x1b]0;title\\x07 tab\\there\\n"
-    assert terminal.printable("café ok") == "café ok"
-    assert terminal.printable("caf\udce9") == "caf\\udce9"
+    assert cli.printable("café ok") == "café ok"
+    assert cli.printable("caf\udce9") == "caf\\udce9"
 
 
 class _MMIBroker(RawRouter):

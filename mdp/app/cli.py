@@ -7,21 +7,20 @@ reader has gone.  Errors are one line on stderr, never a traceback."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from twisted.internet import defer, task
 from twisted.internet.error import ReactorNotRunning
 from twisted.python import usage
 
-from mdp import transport, uvreactor
-from mdp.app import tap, terminal
+from mdp import errors, transport, uvreactor
+from mdp.app import tap
 from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
 from mdp.app.console import interrupted as _interrupted
-from mdp.app.status import status
-from mdp.app.terminal import emit, error, print_frames, show
 from mdp.errors import MDPError, NoServerAvailable, RequestTimeout, ServiceOverloaded, ServiceUnavailable
 from mdp.handlers import echo
 from mdp.majordomo import mmi
@@ -32,6 +31,72 @@ from mdp.majordomo.worker import Worker
 from mdp.titanic.client import TRANSIENT, TitanicClient
 from mdp.transport import curve
 from mdp.transport.registry import bare_address, schemes
+
+#: stdout's reader has gone (128 + SIGPIPE): ``mdp call ... | head -1``
+EXIT_BROKEN_PIPE = 141
+
+
+def show(frame: bytes) -> str:
+    """*frame* as text if it is printable UTF-8, else as a bytes literal."""
+    try:
+        text = frame.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(frame)
+    return text if text.isprintable() else repr(frame)
+
+
+def printable(text: str) -> str:
+    """*text* with unprintable characters (terminal escapes) escaped: for peers' text."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def error(line: str) -> None:
+    """One line on stderr, its unprintable characters escaped."""
+    print(printable(line), file=sys.stderr)
+    sys.stderr.flush()
+
+
+class Output:
+    """Whether standard output's reader has gone (a broken pipe)."""
+
+    gone = False
+
+
+def divert_output() -> None:
+    """Point stdout at /dev/null once its reader has gone, so later writes do not fail."""
+    Output.gone = True
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def emit(*lines: str) -> bool:
+    """Write *lines* to stdout and flush; False when its reader has gone."""
+    if Output.gone:
+        return False
+    try:
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        divert_output()
+        return False
+    return True
+
+
+def print_frames(frames: list[bytes]) -> bool:
+    """Print *frames*, one per line (:func:`show`); False when stdout's reader has gone."""
+    return emit(*(show(frame) for frame in frames))
+
+
+def table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
+    """Lines of a plain text table; the columns numbered in *right* align right."""
+    cells = [list(headings)] + [[printable(str(cell)) for cell in row] for row in rows]
+    widths = [max(len(row[n]) for row in cells) for n in range(len(headings))]
+    return ["  ".join(cell.rjust(widths[n]) if n in right else cell.ljust(widths[n])
+                      for n, cell in enumerate(row)).rstrip() for row in cells]
+
 
 EXIT_PENDING = 3
 
@@ -297,6 +362,124 @@ def keygen(options: KeygenOptions) -> None:
     emit(f"public key: {public}", f"secret key: {secret}")
 
 
+#: seconds to wait for ``mmi.binarystar``, which a broker may not answer
+BSTAR_PROBE = 1.0
+#: characters of a reply an error message shows at most
+EXCERPT = 200
+#: what reading a reply of the wrong shape raises (RecursionError: deep JSON)
+_MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def status_lines(services: list[bytes], workers: list[bytes]) -> list[str]:
+    """The two tables of ``mdp status``; a ValueError if a reply is not the expected JSON."""
+    return (_table(services, "mmi.services", ["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"],
+                   (1, 2, 3, 4), _service_rows)
+            + [""] + _table(workers, "mmi.workers", ["WORKER", "SERVICE", "STATE", "DIALECT", "SILENCE (s)"],
+                            (4,), _worker_rows))
+
+
+def _table(reply: list[bytes], query: str, headings: list[str], right: tuple[int, ...],
+           rows: Callable[[Any], list[tuple[Any, ...]]]) -> list[str]:
+    """The table of an MMI listing, with a note when the broker cut it short."""
+    what = query.partition(".")[2]
+    try:
+        listed = json.loads(reply[0])
+        lines = table(headings, rows(listed), right) if listed else [f"no {what}"]
+        extra = json.loads(reply[1]) if len(reply) > 1 else {}
+        if extra.get("truncated"):
+            lines.append(f"(the first {len(listed)} of {extra['total']} {what})")
+    except _MALFORMED:
+        text, size = repr(reply), sum(len(frame) for frame in reply)
+        if len(text) > EXCERPT:
+            text = f"{text[:EXCERPT]}... ({size} bytes in {len(reply)} frame{'s' * (len(reply) != 1)})"
+        raise ValueError(f"{query} answered {text}") from None
+    return lines
+
+
+def _service_rows(listed: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(name, entry["workers"], entry["idle"], entry["workers"] - entry["idle"],
+             entry["queued"]) for name, entry in sorted(listed.items())]
+
+
+def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
+    # a broker with an access policy leaves the peer ids out
+    return [(w.get("id", "-"), w["service"], "busy" if w["busy"] else "idle", w["dialect"],
+             f"{w['silence']:.1f}") for w in sorted(listed, key=lambda w: (w["service"], w.get("id", "")))]
+
+
+async def status(reactor: Any, options: Any) -> None:
+    """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
+    client = Client(options["brokers"], reactor, timeout=options["timeout"],
+                    retries=options["retries"], **tap.curve_client_of(options))
+    watch = options["watch"]
+    try:
+        while True:
+            lines = await _report(client, options)
+            if lines is None and watch is None:
+                raise SystemExit(1)
+            if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
+                lines = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
+            if lines is not None and not emit(*lines):
+                return
+            if watch is None:
+                return
+            await task.deferLater(reactor, watch)
+    finally:
+        await client.close()
+
+
+async def _report(client: Any, options: Any) -> Optional[list[str]]:
+    """The lines of one report, or None once stderr says why there are none."""
+    idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
+    if idle is not None and len(options["brokers"]) == 1:  # the tables would go unanswered
+        error(f"mdp status: {idle}")
+        return None
+    try:
+        services = await client.request("mmi.services")
+        workers = await client.request("mmi.workers")
+    except (RequestTimeout, errors.BrokerUnreachable) as e:  # they name the brokers
+        error(f"mdp status: {e}" + (f"; {idle}" if idle is not None else ""))
+        return None
+    except MDPError as e:
+        brokers = options["brokers"]
+        error(f"mdp status: broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}")
+        return None
+    try:
+        tables = status_lines(services, workers)
+    except ValueError as e:
+        error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
+        raise SystemExit(1) from None
+    return [f"broker {client.endpoint}", ""] + tables
+
+
+async def _not_serving(client: Any, timeout: float) -> Optional[str]:
+    """Why a Binary Star broker serves nothing (passive, or a backup yet to hear its primary), else
+    None; ``mmi.binarystar``, unlike ``mmi.services``, is answered in any state and no failover vote."""
+    try:
+        reply = await client.request("mmi.binarystar", timeout=timeout, retries=1)
+        state = json.loads(reply[0])
+        if not isinstance(state, dict) or state.get("serving") is not False:
+            return None
+    except (MDPError, *_MALFORMED):  # not in a pair (501), no answer, not JSON
+        return None
+    pair = f"broker {client.endpoint} is the {{}} of a Binary Star pair"
+    if state.get("state") == "backup":
+        return (pair.format("backup") + " and has not heard its primary yet: it serves nothing until then; "
+                "ask the primary (and check that this broker's --bstar-remote is the primary's "
+                "--bstar-local)")
+    if state.get("state") != "passive":
+        return None
+    passive = pair.format("passive broker") + ": it answers no requests"
+    peer, silence, failover = state.get("peer"), state.get("peerSilence"), state.get("failoverTimeout")
+    if all(isinstance(n, (int, float)) for n in (silence, failover)) and silence > failover:
+        return (f"{passive}, and its peer has been silent for {silence:g} s: the next client request "
+                "here makes it take over")
+    if peer == "active":
+        return f"{passive} while its peer (active) serves them; ask the other broker of the pair"
+    return f"{passive} (its peer is {peer or 'not heard yet'}); ask the other broker of the pair"
+
+
 async def call(reactor: Any, options: CallOptions) -> None:
     client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
                     dialect=options["dialect"], **tap.curve_client_of(options))
@@ -495,7 +678,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
     done: defer.Deferred[None] = defer.Deferred()
 
     def say(line: str) -> None:
-        if not emit(terminal.printable(line)) and not done.called:
+        if not emit(printable(line)) and not done.called:
             done.callback(None)  # nobody reads: leave
 
     def heard(event: Event) -> None:
@@ -545,22 +728,22 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script."""
     catch_interrupt(_interrupted)  # until the command starts
-    terminal.Output.gone = False
+    Output.gone = False
     try:
         try:
             _main(argv)
         finally:
-            if sys.stdout is not None and not terminal.Output.gone:
+            if sys.stdout is not None and not Output.gone:
                 sys.stdout.flush()  # where a broken pipe shows at the latest
     except KeyboardInterrupt:  # before the handler above was in place
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
-        terminal.divert_output()
+        divert_output()
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED or not terminal.Output.gone:
+        if e.code == EXIT_INTERRUPTED or not Output.gone:
             raise
-    if terminal.Output.gone:
-        raise SystemExit(terminal.EXIT_BROKEN_PIPE)
+    if Output.gone:
+        raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 def _main(argv: Optional[Sequence[str]]) -> None:
@@ -598,7 +781,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
             error(f"mdp {options.subCommand}: {e}")
             raise SystemExit(1) from None
         except BrokenPipeError:  # written to outside emit
-            terminal.divert_output()
+            divert_output()
 
     try:
         uvreactor.react(run)
