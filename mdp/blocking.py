@@ -512,8 +512,11 @@ class Worker(WorkerDriver):
         self._reopenAt = monotonic() + delay
 
     def _open(self, endpoint: str) -> None:
-        pipe = self.transport = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
-                                                shared=self._threads is not None)
+        try:
+            pipe = self.transport = self._loop.open(endpoint, self, None, LINGER_MS, curve=self.curve,
+                                                    shared=self._threads is not None)
+        except Exception as e:  # no socket to be had (out of descriptors)
+            raise TransportError(f"cannot connect to {endpoint!r}: {e}") from e
         if pipe.up:  # ZeroMQ: up at once
             self._pipeUp(None, monotonic())
 

@@ -3,12 +3,14 @@ the loop's thread (which alone touches the connections) through a wake-up pipe."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
 from collections import deque
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
@@ -94,7 +96,10 @@ class HandlerThreads:
             self.done.append((session, job, kind, frames, ack, served, raised))
             if wake:
                 self._wake()
-        return True if ack is None else ack.result()  # (close() settles every ack)
+        while ack is not None and not ack.done() and not self.closed:
+            with contextlib.suppress(FutureTimeout):  # (close() settles every ack)
+                ack.result(timeout=1.0)
+        return ack is None or (ack.done() and ack.result())
 
     def wait(self, timeout: int) -> None:
         """The loop's only descriptor (every session between connections):
@@ -130,7 +135,7 @@ class HandlerThreads:
                 if ack is not None and sent:  # its handler waits until its connection has taken it
                     self.paced.append((session, job, ack))
                 elif ack is not None:
-                    ack.set_result(False)
+                    _settle(ack, False)
 
     def _wake(self) -> None:
         """Wake the loop (with the lock held)."""
@@ -149,7 +154,7 @@ class HandlerThreads:
             if current and pipe is not None and pipe.draining:
                 waiting.append((session, job, ack))
             else:
-                ack.set_result(current)
+                _settle(ack, current)
         self.paced = waiting
 
     def close(self) -> None:
@@ -164,6 +169,12 @@ class HandlerThreads:
             os.close(self.wakeFd)
             os.close(self.writeFd)
         for ack in waiting + [ack for _, _, ack in self.paced]:
-            ack.set_result(False)
+            _settle(ack, False)
         self.paced = []
         self.executor.shutdown(wait=False)
+
+
+def _settle(ack: Future[bool], sent: bool) -> None:
+    """Tell a handler waiting on *ack* whether its PARTIAL went, once (a release may be interrupted)."""
+    if not ack.done():
+        ack.set_result(sent)

@@ -149,3 +149,28 @@ async def test_a_handler_that_exits_is_answered_and_ends_run() -> None:
     finally:
         await client.close()
         await broker.close()
+
+
+def test_closing_after_an_interrupted_release_lets_every_handler_go() -> None:
+    # Ctrl-C in the middle of release() leaves settled acks among the paced ones;
+    # close() must still settle the rest, or their handler threads wait forever
+    from concurrent.futures import Future
+
+    from mdp.handlerthreads import HandlerThreads
+
+    class Loop:
+        pipes: dict = {}
+
+        def watch(self, fd: int, flags: int) -> None:
+            pass
+
+        def forget(self, fd: int) -> None:
+            self.pipes.pop(fd, None)
+
+    threads = HandlerThreads(Loop(), 1)
+    settled: Future[bool] = Future()
+    waiting: Future[bool] = Future()
+    settled.set_result(True)
+    threads.paced = [(None, None, settled), (None, None, waiting)]
+    threads.close()
+    assert waiting.result(timeout=5) is False

@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from mdp import transport
-from mdp.errors import ProtocolError
+from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
@@ -381,7 +381,7 @@ class WorkerDriver:
         if kind is OpenPipe:
             try:
                 self._open(action.endpoint)
-            except Exception as error:  # no socket to be had (out of descriptors): as a pipe never up
+            except TransportError as error:  # no socket to be had (out of descriptors): as a pipe never up
                 log.error("worker for {service} cannot open a connection to {endpoint}: {error}; "
                           "it reconnects, with its backoff, once {expiry:g}s pass without a broker",
                           service=service, endpoint=action.endpoint, error=error,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -42,7 +42,10 @@ class _StreamChannel(Channel):
     def discardReceived(self) -> int:
         """Drop its messages of this read not delivered yet; how many."""
         link, name, count = self.link, self.id, 0
-        pending = link._pending or ()
+        pending = link._pending
+        if pending is None or not link._waiting.get(name):  # (the client asks before every send)
+            return 0
+        link._waiting[name] = 0
         for i in range(link._at, len(pending)):
             if pending[i] is not None and pending[i][0] == name:
                 pending[i] = None
@@ -102,6 +105,7 @@ class StreamChannels(_OneConnection):
         self.core = ChannelLink(retryPolicy)
         self._pending: Optional[list[Any]] = None
         self._at = 0
+        self._waiting: Counter[bytes] = Counter()
 
     @property
     def queued(self) -> int:
@@ -135,7 +139,7 @@ class StreamChannels(_OneConnection):
             channel._made()  # type: ignore[attr-defined]
 
     def _failed(self, reason: Any) -> None:
-        if self.service is None:  # (stopped: its attempt was cancelled)
+        if self.service is None or isinstance(reason, defer.CancelledError):  # (a stopped service's)
             return
         for channel in self.core.failed():
             report = getattr(channel.receiver, "connectionFailed", None)  # type: ignore[attr-defined]
@@ -158,11 +162,13 @@ class StreamChannels(_OneConnection):
         self._pending = messages
         core = self.core
         channels = core.channels
+        waiting = self._waiting = Counter(item[0] for item in messages)  # by channel, still to come
         try:
             for i, item in enumerate(messages):
                 if item is None:
                     continue
                 self._at = i + 1
+                waiting[item[0]] -= 1
                 channel = channels.get(item[0])
                 if channel is None:
                     continue
