@@ -8,8 +8,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
+from twisted.logger import Logger
 from twisted.python.usage import UsageError
 
+log = Logger()
 INSTALL_HINT = "pip install uvloop (txmajordomo installs it, except on Windows and PyPy)"
 
 
@@ -58,10 +60,9 @@ def install() -> Any:
     asyncio.set_event_loop(loop)
     installReactor(reactor_class()(loop))
     from twisted.internet import reactor
-    from twisted.logger import Logger
 
-    Logger(namespace=__name__).info("reactor: Twisted's asyncio reactor over uvloop {version}",
-                                    version=sys.modules["uvloop"].__version__)
+    log.info("reactor: Twisted's asyncio reactor over uvloop {version}",
+             version=sys.modules["uvloop"].__version__)
     return reactor
 
 
@@ -72,10 +73,8 @@ def install_default() -> Any:
         try:
             return install()
         except UVLoopMissing as e:
-            from twisted.logger import Logger
-
-            Logger(namespace=__name__).info("reactor: Twisted's default, as uvloop does not "
-                                            "import ({error})", error=e.__cause__ or e)
+            log.info("reactor: Twisted's default, as uvloop does not import ({error})",
+                     error=e.__cause__ or e)
     from twisted.internet import reactor
 
     return reactor

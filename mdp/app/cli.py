@@ -85,11 +85,6 @@ def emit(*lines: str) -> bool:
     return True
 
 
-def print_frames(frames: list[bytes]) -> bool:
-    """Print *frames*, one per line (:func:`show`); False when stdout's reader has gone."""
-    return emit(*(show(frame) for frame in frames))
-
-
 def table(headings: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int]) -> list[str]:
     """Lines of a plain text table; the columns numbered in *right* align right."""
     cells = [list(headings)] + [[printable(str(cell)) for cell in row] for row in rows]
@@ -420,9 +415,7 @@ async def status(reactor: Any, options: Any) -> None:
                 raise SystemExit(1)
             if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
                 lines = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
-            if lines is not None and not emit(*lines):
-                return
-            if watch is None:
+            if (lines is not None and not emit(*lines)) or watch is None:
                 return
             await task.deferLater(reactor, watch)
     finally:
@@ -485,7 +478,7 @@ async def call(reactor: Any, options: CallOptions) -> None:
                     dialect=options["dialect"], **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
-        if not print_frames(frames) and request is not None:
+        if not emit(*map(show, frames)) and request is not None:
             request.cancel()  # nobody reads the rest
 
     request: Optional[defer.Deferred[list[bytes]]] = None
@@ -496,7 +489,7 @@ async def call(reactor: Any, options: CallOptions) -> None:
         return
     finally:
         await client.close()
-    print_frames(reply)
+    emit(*map(show, reply))
 
 
 async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
@@ -512,7 +505,7 @@ async def freelance_call(reactor: Any, options: FreelanceCallOptions) -> None:
         raise MDPError(_freelance_failure(e, options, reactor.seconds() - started)) from None
     finally:
         await client.close()
-    print_frames(reply)
+    emit(*map(show, reply))
 
 
 def _freelance_failure(failure: MDPError, options: FreelanceCallOptions, elapsed: float) -> str:
@@ -558,7 +551,7 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
         raise MDPError(f"no reply from {options['endpoint']} within {options['timeout']:g} s") from None
     finally:
         await client.close()
-    print_frames([reply])
+    emit(show(reply))
 
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
@@ -576,7 +569,7 @@ async def titanic(reactor: Any, options: TitanicOptions) -> None:
                 error(f"mdp titanic result: request {sub['id']} is pending (no reply yet); "
                       "ask again later, or wait for it with --wait")
                 raise SystemExit(EXIT_PENDING)
-            print_frames(reply)
+            emit(*map(show, reply))
     except MDPError as e:
         hint = (await _missing_titanic(client, command, min(2.0, sub["timeout"]))
                 if isinstance(e, RequestTimeout) else "")
