@@ -19,8 +19,7 @@ from twisted.python import usage
 
 from mdp import errors, transport, uvreactor
 from mdp.app import tap
-from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt
-from mdp.app.console import interrupted as _interrupted
+from mdp.app.console import EXIT_INTERRUPTED, catch_interrupt, interrupted
 from mdp.errors import MDPError, NoServerAvailable, RequestTimeout, ServiceOverloaded, ServiceUnavailable
 from mdp.handlers import echo
 from mdp.majordomo import mmi
@@ -720,7 +719,7 @@ async def chat(reactor: Any, options: ChatOptions) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``mdp`` console script."""
-    catch_interrupt(_interrupted)  # until the command starts
+    catch_interrupt(interrupted)  # until the command starts
     Output.gone = False
     try:
         try:
@@ -755,7 +754,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         return
     command = {"call": call, "status": status, "freelance-call": freelance_call, "titanic": titanic,
                "sp-request": sp_request, "chat": chat, "demo": demo}[options.subCommand]
-    interrupted: list[int] = []
+    signals: list[int] = []
 
     async def run(reactor: Any) -> None:
         def stop() -> None:
@@ -763,7 +762,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
                 reactor.stop()
 
         def onInterrupt(number: int, frame: Any) -> None:
-            interrupted.append(number)
+            signals.append(number)
             reactor.callFromThread(stop)
 
         # from now on, as the command's first steps run before the reactor does
@@ -779,7 +778,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     try:
         uvreactor.react(run)
     except SystemExit:
-        if interrupted:
+        if signals:
             raise SystemExit(EXIT_INTERRUPTED) from None
         raise
 
