@@ -51,8 +51,7 @@ def printable(text: str) -> str:
 
 def error(line: str) -> None:
     """One line on stderr, its unprintable characters escaped."""
-    print(printable(line), file=sys.stderr)
-    sys.stderr.flush()
+    print(printable(line), file=sys.stderr, flush=True)
 
 
 class Output:
@@ -64,11 +63,8 @@ class Output:
 def divert_output() -> None:
     """Point stdout at /dev/null once its reader has gone, so later writes do not fail."""
     Output.gone = True
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
+    with open(os.devnull, "wb") as devnull:
+        os.dup2(devnull.fileno(), sys.stdout.fileno())
 
 
 def emit(*lines: str) -> bool:
