@@ -97,17 +97,13 @@ class DispatchMachine(Machine):
                  keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
                  recheck: float = DEFAULT_RECHECK, window: Optional[int] = None,
                  listEvery: Optional[float] = None, now: float = 0.0) -> None:
-        whole_number("concurrency", concurrency)
-        for name, value in (("keep", keep), ("purgeEvery", purgeEvery), ("recheck", recheck),
-                            ("listEvery", 1.0 if listEvery is None else listEvery)):
-            positive_seconds(name, value)
         super().__init__(now)
-        self.concurrency = concurrency
+        self.concurrency = whole_number("concurrency", concurrency)
         self.backoff = backoff
-        self.keep = keep
-        self.purgeEvery = purgeEvery
-        self.recheck = recheck
-        self.listEvery = listEvery
+        self.keep = positive_seconds("keep", keep)
+        self.purgeEvery = positive_seconds("purgeEvery", purgeEvery)
+        self.recheck = positive_seconds("recheck", recheck)
+        self.listEvery = None if listEvery is None else positive_seconds("listEvery", listEvery)
         #: most requests held at once (out + waiting)
         self.window = window if window is not None else max(2 * concurrency, 16)
         self._wake: Optional[float] = None

@@ -328,10 +328,9 @@ class SQLiteStore:
 
     def __init__(self, path: str, reactor: Optional[Any] = None, *,
                  maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
-        whole_number("maxBytes", maxBytes)
         self.path = path
         #: a request that would take the pages in use beyond this is refused (TitanicStoreFull)
-        self.maxBytes = maxBytes
+        self.maxBytes = whole_number("maxBytes", maxBytes)
         self.reactor = reactor
         self._pool: Optional[ThreadPool] = None
         self._trigger: Any = None
