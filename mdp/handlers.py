@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import pkgutil
 import sys
@@ -35,12 +34,7 @@ def reply_frames(value: Any) -> list[bytes]:
 
 def call_handler(handler: Callable[[list[bytes]], Any], frames: list[bytes]) -> defer.Deferred:
     """Run a non-streaming handler (value, Deferred or coroutine); a Deferred of its frames."""
-
-    def run() -> Any:
-        result = handler(frames)
-        return defer.ensureDeferred(result) if inspect.iscoroutine(result) else result
-
-    return defer.maybeDeferred(run).addCallback(reply_frames)
+    return defer.maybeDeferred(handler, frames).addCallback(reply_frames)  # (a coroutine too)
 
 
 def echo(request: list[bytes]) -> list[bytes]:
