@@ -274,7 +274,7 @@ def test_rep_holds_at_most_max_pending_requests_and_bytes_in_hand() -> None:
 def test_channel_ids_start_where_told_wrap_and_skip_those_in_use() -> None:
     rep = RepMachine(0x7FFFFFFE)
     for channel in "abc":
-        rep.handleChannelUp(channel, 0.0)
+        rep.handleRequest(channel, word(BOTTOM | 1) + b"x", 0.0)
     assert rep.byChannel == {"a": 0x7FFFFFFE, "b": 0x7FFFFFFF, "c": 0}
 
 

@@ -157,11 +157,6 @@ class _ChannelMachine(Machine):
         self.byChannel: dict[Channel, int] = {}
         self.byId: dict[int, Channel] = {}
 
-    def handleChannelUp(self, channel: Channel, now: float) -> list[Any]:
-        self.now = now
-        self._idOf(channel)
-        return []
-
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
         number = self.byChannel.pop(channel, None)
