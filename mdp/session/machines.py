@@ -383,8 +383,7 @@ class ServerSessionMachine(Machine):
             session.lastHeard = now
             handler = self._handlers.get(type(message))
             if handler is not None:  # (a client never says WELCOME: its ack is not read)
-                if hasattr(message, "ack"):
-                    session.seq.acked(message.ack)
+                session.seq.acked(message.ack)  # (every message a server handles has one)
                 handler(self, session, message, refused)
         return self._drain()
 
