@@ -96,7 +96,6 @@ class ZmqChannels:
         self.endpoint = endpoint
         self.probe = probe
         self.reactor = reactor
-        self.limits = limits
         #: a new DEALER to the endpoint, for a receiver
         self._dealer = partial(ZmqDealer, endpoint, reactor=reactor, limits=limits, curve=security,
                                retryPolicy=retryPolicy)
