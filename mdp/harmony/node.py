@@ -190,7 +190,8 @@ class Node:
         self._pending: deque[tuple[int, Event]] = deque()
         self._performing = self._delivering = self._stopped = self.running = False
         self._generation = 0
-        self._tick: Optional[task.LoopingCall] = None
+        self._tick = task.LoopingCall(lambda: self._perform(self.machine.handleTick(self._now())))
+        self._tick.clock = self.reactor
 
     def _now(self) -> float:
         return self.reactor.seconds()
@@ -226,8 +227,6 @@ class Node:
             router, self.router = self.router, None
             yield router.close()
             raise
-        self._tick = task.LoopingCall(lambda: self._perform(self.machine.handleTick(self._now())))
-        self._tick.clock = self.reactor
         self._tick.start(self.interval, now=False)
         log.info("ZRE node {name} ({uuid}) at {endpoint}", name=self.name, uuid=self.uuid,
                  endpoint=self.endpoint)
@@ -241,7 +240,7 @@ class Node:
             if not self.running:
                 return
             self.running = False
-            if self._tick is not None and self._tick.running:
+            if self._tick.running:
                 self._tick.stop()
             try:
                 yield self.discovery.stop()
