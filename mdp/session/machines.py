@@ -376,9 +376,7 @@ class ServerSessionMachine(Machine):
         if isinstance(message, codec.Hello):
             self._attach(peer, message)
         elif session is None:
-            self._withoutSession(peer)
-            if self._mayTell(peer):
-                self._emit(SendTo(peer, codec.encode(codec.Unknown())))
+            self._withoutSession(peer, codec.Unknown())
         else:
             session.lastHeard = now
             handler = self._handlers.get(type(message))
@@ -403,14 +401,16 @@ class ServerSessionMachine(Machine):
     _handlers = {codec.Ping: _onPing, codec.Data: _onData, codec.Skip: _onData,
                  codec.Ack: lambda *event: None}
 
-    def _withoutSession(self, peer: Hashable) -> None:
-        """Track *peer*, which has no session (the tick closes it after the expiry)."""
+    def _withoutSession(self, peer: Hashable, answer: codec.Message) -> None:
+        """Track *peer*, which has no session (the tick closes it after the expiry); *answer* it."""
         unattached = self._unattached
         if peer not in unattached:
             unattached[peer] = self.now
             if len(unattached) > MAX_UNATTACHED:
                 oldest = next(iter(unattached))
                 self._drop(oldest, f"more than {MAX_UNATTACHED} connections without a session")
+        if self._mayTell(peer):
+            self._emit(SendTo(peer, codec.encode(answer)))
 
     def _newRoutingId(self) -> int:
         while True:
@@ -494,10 +494,8 @@ class ServerSessionMachine(Machine):
             self._end(earlier, "its connection opened another", drop=False)
         if len(self.sessions) >= self.maxSessions:
             self._emit(Full(peer, len(self.sessions)))
-            self._withoutSession(peer)
-            if self._mayTell(peer):
-                self._emit(SendTo(peer, codec.encode(codec.Refused(
-                    f"the server holds {len(self.sessions)} sessions, all it may (maxSessions)"))))
+            self._withoutSession(peer, codec.Refused(
+                f"the server holds {len(self.sessions)} sessions, all it may (maxSessions)"))
             return None
         session = _Session(hello.session, self._newRoutingId(), int.from_bytes(os.urandom(8), "big") or 1,
                            _Sequenced(self.maxQueued, self.maxQueuedBytes), self.now, peer)
