@@ -206,8 +206,7 @@ class HarmonyMachine(Machine):
             return self._drain()
         peer = self.peers.get(uuid)
         if endpoint is None:
-            if peer is not None:
-                self._remove(peer, "it is leaving (beacon with port 0)")
+            self._remove(peer, "it is leaving (beacon with port 0)")
             self._forget(self.strangers.get(uuid))
         elif peer is not None:
             self._refresh(peer)
@@ -313,8 +312,7 @@ class HarmonyMachine(Machine):
         except MalformedZre as e:
             what = "unknown" if isinstance(e, UnknownCommand) else "malformed"
             self._emit(Notice("malformed", f"{what} message from {self._who(uuid, peer)}: {e}"))
-            if peer is not None:
-                self._remove(peer, f"it sent a {what} message")
+            self._remove(peer, f"it sent a {what} message")
             return None
 
     def _greeted(self, uuid: UUID, peer: Optional[Peer], hello: codec.Hello) -> Optional[Peer]:
@@ -322,15 +320,13 @@ class HarmonyMachine(Machine):
         if hello.sequence != 1:
             self._emit(Notice("hello", f"dropped a HELLO numbered {hello.sequence}, not 1, "
                                        f"from {self._who(uuid, peer)}"))
-            if peer is not None:
-                self._remove(peer, "its HELLO was out of sequence")
+            self._remove(peer, "its HELLO was out of sequence")
             return None
         if peer is not None and self.now - peer.helloAt < self.evasive and same_endpoint(
                 hello.endpoint, peer.endpoint):  # its new link to us, in the same run
             self._helloAgain(peer, hello)
             return None
-        if peer is not None:
-            self._remove(peer, "it said HELLO again (restarted)")
+        self._remove(peer, "it said HELLO again (restarted)")
         return self._admit(uuid, hello.endpoint)
 
     def _helloAgain(self, peer: Peer, hello: codec.Hello) -> None:
@@ -500,8 +496,8 @@ class HarmonyMachine(Machine):
         peer.expiredAt = self.now + self.expired
         peer.evasive = False
 
-    def _remove(self, peer: Peer, reason: str, redial: bool = True) -> None:
-        if self.peers.get(peer.uuid) is not peer:
+    def _remove(self, peer: Optional[Peer], reason: str, redial: bool = True) -> None:
+        if peer is None or self.peers.get(peer.uuid) is not peer:
             return
         del self.peers[peer.uuid]
         if self._peerAt.get(key := endpoint_key(peer.endpoint)) == peer.uuid:
