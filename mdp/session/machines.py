@@ -74,10 +74,9 @@ def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -
 
 def check_bounds(maxQueued: int, maxQueuedBytes: int) -> None:
     """``ValueError`` unless a side may keep at least one message and one byte."""
-    if maxQueued < 1:
-        raise ValueError(f"maxQueued must be at least 1, got {maxQueued}")
-    if maxQueuedBytes < 1:
-        raise ValueError(f"maxQueuedBytes must be at least 1, got {maxQueuedBytes}")
+    for name, value in (("maxQueued", maxQueued), ("maxQueuedBytes", maxQueuedBytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 def said_limits(message: Any) -> Optional[tuple[int, int]]:
