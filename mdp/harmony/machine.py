@@ -262,9 +262,8 @@ class HarmonyMachine(Machine):
     def handleLinkFailed(self, link: int, now: float) -> list[Any]:
         """The link could not be opened: forget its peer; a dial stays for the tick to redo."""
         self.now = now
-        for peer in list(self.peers.values()):
-            if peer.link == link:
-                self._remove(peer, "its endpoint cannot be reached")
+        self._remove(next((p for p in self.peers.values() if p.link == link), None),
+                     "its endpoint cannot be reached")
         self._forget(next((s for s in self.strangers.values() if s.link == link), None))
         for dial in self.dials.values():
             if dial.link == link:
