@@ -82,9 +82,7 @@ class MemoryReplyStore:
 
     def put(self, key: StampKey, reply: list[bytes]) -> None:
         replies = self._replies
-        old = replies.pop(key, None)
-        if old is not None:
-            self.heldBytes -= old[1]
+        self.heldBytes -= replies.pop(key, ((), 0))[1]  # (a reply replaced)
         size = ENTRY_OVERHEAD + len(key[0]) + len(key[1]) + sum(len(f) + 64 for f in reply)
         if size > self.maxBytes:
             return

@@ -159,9 +159,7 @@ class _ChannelMachine(Machine):
 
     def handleChannelDown(self, channel: Channel, now: float) -> list[Any]:
         self.now = now
-        number = self.byChannel.pop(channel, None)
-        if number is not None:
-            del self.byId[number]
+        self.byId.pop(self.byChannel.pop(channel, None), None)  # (None: a channel without an id)
         return []
 
     def _idOf(self, channel: Channel) -> int:
