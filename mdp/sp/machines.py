@@ -85,7 +85,6 @@ class ReqMachine(Machine):
             self._turn = (self._turn - (index < self._turn)) % max(len(self.channels), 1)
         for request in list(self.requests.values()):
             if request.channel == channel:
-                request.channel = None
                 self._send(request)
         return self._drain()
 
