@@ -525,8 +525,7 @@ class SessionServer:
         machines.check_bounds(maxQueued, limits.maxOutputBytes)
         self.reactor = default_reactor(reactor)
         self.handler, self.onExpired = handler, onExpired
-        self.options = {"expiry": expiry, "maxQueued": maxQueued, "maxSessions": maxSessions}
-        self.limits = limits
+        self.options = dict(expiry=expiry, maxQueued=maxQueued, maxSessions=maxSessions, limits=limits)
         self.router: Optional[SessionRouter] = None
 
     async def listen(self, endpoint: str) -> str:
@@ -535,7 +534,7 @@ class SessionServer:
 
         full = session_endpoint(endpoint)
         transport.check(full, transport.LISTEN)
-        self.router = await SessionRouter.listen(full, self, self.reactor, self.limits, **self.options)
+        self.router = await SessionRouter.listen(full, self, self.reactor, **self.options)
         return self.router.endpoint
 
     def reply(self, routingId: int, *frames: bytes) -> None:
