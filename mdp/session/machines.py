@@ -61,11 +61,8 @@ DropPeer = _action("DropPeer", "peer", "reason")  # server: close the connection
 
 def over_limits(payload: tuple[bytes, ...], limits: Optional[tuple[int, int]]) -> Optional[str]:
     """Why *payload* is over *limits* (bytes, frames; 0: not said), or None."""
-    if limits is None:
-        return None
-    maxBytes, maxFrames = limits
-    size = sum(len(f) for f in payload)
-    if maxBytes and size > maxBytes:
+    maxBytes, maxFrames = limits or (0, 0)
+    if maxBytes and (size := sum(len(f) for f in payload)) > maxBytes:
         return f"{size} bytes, and it takes at most {maxBytes}"
     if maxFrames and len(payload) > maxFrames:
         return f"{len(payload)} frames, and it takes at most {maxFrames}"
