@@ -4,6 +4,7 @@ running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import sys
 import threading
@@ -12,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import attrs
 
 from mdp.errors import MDPSparkError
+from mdp.majordomo.idempotence import stamp
 from mdp.policy import positive_seconds, whole_number
 
 ON_ERROR = ("fail", "null", "column")
@@ -142,18 +144,48 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
-def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]]) -> list[tuple[Any, Optional[str]]]:
-    """Each row sent: its reply's frames and None, or None and what went wrong."""
+def request_stamp(service: str, key: Any, batch: int) -> tuple[bytes, int]:
+    """The idempotence stamp (client id, sequence) of the row with *key* in micro-batch *batch*:
+    the same whenever that row is sent again, as when a query replays a batch from its checkpoint."""
+    raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
+    return hashlib.blake2b(raw, digest_size=16, key=service.encode("ascii")).digest(), batch
+
+
+def streaming_batch() -> int:
+    """The Structured Streaming micro-batch this task runs for (0 outside a streaming query)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    batch = None if context is None else context.getLocalProperty("streaming.sql.batchId")
+    return int(batch) if batch else 0
+
+
+def _stamped(call: ServiceCall, frames: Optional[list[bytes]], key: Any, batch: int) -> Optional[list[bytes]]:
+    if frames is None or key is None:
+        return None
+    return stamp(*request_stamp(call.service, key, batch), frames)
+
+
+def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]],
+             keys: Optional[Sequence[Any]] = None) -> list[tuple[Any, Optional[str]]]:
+    """Each row sent (stamped from its key, if *keys*): its reply's frames and None, or None and
+    what went wrong."""
     requests = [_request(row) for row in rows]
+    if keys is not None:
+        batch = streaming_batch()
+        requests = [_stamped(call, frames, key, batch) for frames, key in zip(requests, keys)]
     return [(None, f"{type(r).__name__}: {r}") if isinstance(r, BaseException) else (r, None)
             for r in (call_many(call, requests) if requests else [])]
 
 
-def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str) -> tuple[Any, Any]:
-    """One batch's request *columns* (Arrow arrays) sent: its reply and error arrays."""
+def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
+                  keys: Any = None) -> tuple[Any, Any]:
+    """One batch's request *columns* (Arrow arrays) sent, stamped from *keys* if given: its reply
+    and error arrays."""
     import pyarrow as pa
 
-    results = _replies(call, zip(*(c.to_pylist() for c in columns)))
+    results = _replies(call, zip(*(c.to_pylist() for c in columns)),
+                       None if keys is None else keys.to_pylist())
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
     reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
              "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
@@ -187,19 +219,24 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
                  inputCol: Union[str, Sequence[str]] = "value", outputCol: str = "reply", *,
                  outputType: str = "binary", onError: str = "fail", errorCol: str = "error",
                  window: int = 64, timeout: float = 2.5, retries: int = 3,
-                 dialect: str = "rfc") -> Any:
+                 dialect: str = "rfc", keyCol: Optional[str] = None) -> Any:
     """One MDP request per row of *df* (its *inputCol* columns, one frame each); returns *df*
-    with the reply added.  The options are in docs/spark.md; they are checked at once."""
+    with the reply added.  With *keyCol*, each request is stamped from its row's key and the
+    streaming micro-batch, so workers with a reply store run it once (docs/spark.md).  The
+    options are in docs/spark.md; they are checked at once."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
     schema = _output_schema(df, inputs, added, outputType)
+    if keyCol is not None and keyCol not in df.columns:
+        raise ValueError(f"no key column {keyCol!r} in {sorted(df.columns)}")
 
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
         for batch in batches:
-            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
+            keys = None if keyCol is None else batch.column(keyCol)
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType, keys)
             arrays = [*batch.columns, *[replies, errors][:len(added)]]  # the error column if added
             yield pa.RecordBatch.from_arrays(arrays, names=[*batch.schema.names, *added])
 
