@@ -7,14 +7,15 @@ to filter across them."""
 from __future__ import annotations
 
 import sqlite3
-import struct
+import sys
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from zope.interface import Interface, implementer
 
 from mdp.errors import StoreError
-from mdp.policy import whole_number
+from mdp.policy import Limits, whole_number
+from mdp.transport.framing import decode_record, encode_record
 
 STAMP_MARKER = b"\x00MDP-ID"
 
@@ -96,20 +97,8 @@ class MemoryReplyStore:
             self.heldBytes -= replies.popitem(last=False)[1][1]
 
 
-_LENGTH = struct.Struct(">I")
-
-
-def _pack(frames: Sequence[bytes]) -> bytes:
-    return b"".join(_LENGTH.pack(len(f)) + bytes(f) for f in frames)
-
-
-def _unpack(data: bytes) -> list[bytes]:
-    frames, pos = [], 0
-    while pos < len(data):
-        (size,) = _LENGTH.unpack_from(data, pos)
-        frames.append(data[pos + 4:pos + 4 + size])
-        pos += 4 + size
-    return frames
+#: a stored reply was sent: no bound applies to reading it back
+_UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 
 
 @implementer(IReplyStore)
@@ -140,10 +129,10 @@ class SQLiteReplyStore:
     def get(self, key: StampKey) -> Optional[list[bytes]]:
         row = self._db.execute("SELECT reply FROM replies WHERE client = ? AND sequence = ?",
                                key).fetchone()
-        return None if row is None else _unpack(row[0])
+        return None if row is None else decode_record(row[0], _UNBOUNDED)
 
     def put(self, key: StampKey, reply: list[bytes]) -> None:
-        self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?)", (*key, _pack(reply)))
+        self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?)", (*key, encode_record(reply)[4:]))
         self._puts += 1
         if self.maxEntries <= self.TRIM_EVERY or self._puts % self.TRIM_EVERY == 0:
             self._db.execute("DELETE FROM replies WHERE rowid <= (SELECT max(rowid) FROM replies) - ?",
