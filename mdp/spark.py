@@ -4,6 +4,7 @@ running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import sys
@@ -144,11 +145,17 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
+@functools.lru_cache(maxsize=64)
+def _keyed_hash(service: str) -> Any:
+    return hashlib.blake2b(digest_size=16, key=service.encode("ascii"))
+
+
 def request_stamp(service: str, key: Any, batch: int) -> tuple[bytes, int]:
     """The idempotence stamp (client id, sequence) of the row with *key* in micro-batch *batch*:
     the same whenever that row is sent again, as when a query replays a batch from its checkpoint."""
-    raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
-    return hashlib.blake2b(raw, digest_size=16, key=service.encode("ascii")).digest(), batch
+    digest = _keyed_hash(service).copy()
+    digest.update(key if isinstance(key, bytes) else str(key).encode("utf-8"))
+    return digest.digest(), batch
 
 
 def streaming_batch() -> int:
@@ -166,16 +173,31 @@ def _stamped(call: ServiceCall, frames: Optional[list[bytes]], key: Any, batch: 
     return stamp(*request_stamp(call.service, key, batch), frames)
 
 
-def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]],
-             keys: Optional[Sequence[Any]] = None) -> list[tuple[Any, Optional[str]]]:
-    """Each row sent (stamped from its key, if *keys*): its reply's frames and None, or None and
-    what went wrong."""
-    requests = [_request(row) for row in rows]
+def _replies(call: ServiceCall, requests: list[Optional[list[bytes]]],
+             keys: Optional[Sequence[Any]] = None) -> list[Any]:
+    """Each request sent (stamped from its key, if *keys*): its reply's frames, or what went
+    wrong (an exception)."""
     if keys is not None:
         batch = streaming_batch()
         requests = [_stamped(call, frames, key, batch) for frames, key in zip(requests, keys)]
-    return [(None, f"{type(r).__name__}: {r}") if isinstance(r, BaseException) else (r, None)
-            for r in (call_many(call, requests) if requests else [])]
+    return call_many(call, requests) if requests else []
+
+
+def _failure(result: BaseException) -> str:
+    return f"{type(result).__name__}: {result}"
+
+
+def _arrow_requests(columns: Sequence[Any]) -> list[Optional[list[bytes]]]:
+    """The requests of a batch's string or binary *columns* (Arrow arrays): one frame per
+    column, None for a row with a null."""
+    import pyarrow as pa
+
+    values = [c.cast(pa.large_binary() if pa.types.is_large_string(c.type) else pa.binary()
+                     ) if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)
+              else c for c in columns]
+    if len(values) == 1:
+        return [None if v is None else [v] for v in values[0].to_pylist()]
+    return [None if None in row else list(row) for row in zip(*(v.to_pylist() for v in values))]
 
 
 def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
@@ -184,13 +206,18 @@ def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
     and error arrays."""
     import pyarrow as pa
 
-    results = _replies(call, zip(*(c.to_pylist() for c in columns)),
-                       None if keys is None else keys.to_pylist())
+    results = _replies(call, _arrow_requests(columns), None if keys is None else keys.to_pylist())
+    failed = [isinstance(r, BaseException) for r in results]
+    if outputType == "binary":
+        replies = [None if f else r[0] for r, f in zip(results, failed)]
+    elif outputType == "string":
+        replies = [None if f else r[0].decode("utf-8", "replace") for r, f in zip(results, failed)]
+    else:
+        replies = [None if f else r for r, f in zip(results, failed)]
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
-    reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
-             "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
-    return (pa.array([None if failure else reply(r) for r, failure in results], type=kind),
-            pa.array([failure for _, failure in results], type=pa.string()))
+    errors = (pa.array([_failure(r) if f else None for r, f in zip(results, failed)], type=pa.string())
+              if any(failed) else pa.nulls(len(results), pa.string()))
+    return pa.array(replies, type=kind), errors
 
 
 # --- driver side -----------------------------------------------------------------
@@ -325,7 +352,9 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
             rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
-            for reply, failure in _replies(call, rows):
+            for result in _replies(call, [_request(row) for row in rows]):
+                failed = isinstance(result, BaseException)
+                reply, failure = (None, _failure(result)) if failed else (result, None)
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)
