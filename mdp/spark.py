@@ -4,7 +4,6 @@ running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import sys
@@ -140,22 +139,15 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
 
 def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     """A row's frames (str sent UTF-8); None if it has none or a null."""
-    if not values or any(v is None for v in values):
-        return None
-    return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
-
-
-@functools.lru_cache(maxsize=64)
-def _keyed_hash(service: str) -> Any:
-    return hashlib.blake2b(digest_size=16, key=service.encode("ascii"))
+    none = not values or any(v is None for v in values)
+    return None if none else [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
 def request_stamp(service: str, key: Any, batch: int) -> tuple[bytes, int]:
     """The idempotence stamp (client id, sequence) of the row with *key* in micro-batch *batch*:
     the same whenever that row is sent again, as when a query replays a batch from its checkpoint."""
-    digest = _keyed_hash(service).copy()
-    digest.update(key if isinstance(key, bytes) else str(key).encode("utf-8"))
-    return digest.digest(), batch
+    raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
+    return hashlib.blake2b(raw, digest_size=16, key=service.encode("ascii")).digest(), batch
 
 
 def streaming_batch() -> int:
@@ -167,57 +159,36 @@ def streaming_batch() -> int:
     return int(batch) if batch else 0
 
 
-def _stamped(call: ServiceCall, frames: Optional[list[bytes]], key: Any, batch: int) -> Optional[list[bytes]]:
-    if frames is None or key is None:
-        return None
-    return stamp(*request_stamp(call.service, key, batch), frames)
-
-
 def _replies(call: ServiceCall, requests: list[Optional[list[bytes]]],
              keys: Optional[Sequence[Any]] = None) -> list[Any]:
     """Each request sent (stamped from its key, if *keys*): its reply's frames, or what went
     wrong (an exception)."""
     if keys is not None:
         batch = streaming_batch()
-        requests = [_stamped(call, frames, key, batch) for frames, key in zip(requests, keys)]
+        requests = [None if f is None or k is None else stamp(*request_stamp(call.service, k, batch), f)
+                    for f, k in zip(requests, keys)]
     return call_many(call, requests) if requests else []
-
-
-def _failure(result: BaseException) -> str:
-    return f"{type(result).__name__}: {result}"
-
-
-def _arrow_requests(columns: Sequence[Any]) -> list[Optional[list[bytes]]]:
-    """The requests of a batch's string or binary *columns* (Arrow arrays): one frame per
-    column, None for a row with a null."""
-    import pyarrow as pa
-
-    values = [c.cast(pa.large_binary() if pa.types.is_large_string(c.type) else pa.binary()
-                     ) if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)
-              else c for c in columns]
-    if len(values) == 1:
-        return [None if v is None else [v] for v in values[0].to_pylist()]
-    return [None if None in row else list(row) for row in zip(*(v.to_pylist() for v in values))]
 
 
 def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
                   keys: Any = None) -> tuple[Any, Any]:
-    """One batch's request *columns* (Arrow arrays) sent, stamped from *keys* if given: its reply
-    and error arrays."""
+    """One batch's request *columns* (string or binary Arrow arrays, a frame each; a row with
+    a null is not sent) sent, stamped from *keys* if given: its reply and error arrays."""
     import pyarrow as pa
 
-    results = _replies(call, _arrow_requests(columns), None if keys is None else keys.to_pylist())
+    values = [c.cast(pa.binary() if pa.types.is_string(c.type) else
+                     pa.large_binary() if pa.types.is_large_string(c.type) else c.type).to_pylist()
+              for c in columns]
+    results = _replies(call, [None if None in row else list(row) for row in zip(*values)],
+                       None if keys is None else keys.to_pylist())
+    pick = {"binary": lambda r: r[0], "frames": lambda r: r,
+            "string": lambda r: r[0].decode("utf-8", "replace")}[outputType]
     failed = [isinstance(r, BaseException) for r in results]
-    if outputType == "binary":
-        replies = [None if f else r[0] for r, f in zip(results, failed)]
-    elif outputType == "string":
-        replies = [None if f else r[0].decode("utf-8", "replace") for r, f in zip(results, failed)]
-    else:
-        replies = [None if f else r for r, f in zip(results, failed)]
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
-    errors = (pa.array([_failure(r) if f else None for r, f in zip(results, failed)], type=pa.string())
+    errors = (pa.array([f"{type(r).__name__}: {r}" if f else None for r, f in zip(results, failed)],
+                       type=pa.string())
               if any(failed) else pa.nulls(len(results), pa.string()))
-    return pa.array(replies, type=kind), errors
+    return pa.array([None if f else pick(r) for r, f in zip(results, failed)], type=kind), errors
 
 
 # --- driver side -----------------------------------------------------------------
@@ -352,9 +323,9 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
             rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
-            for result in _replies(call, [_request(row) for row in rows]):
-                failed = isinstance(result, BaseException)
-                reply, failure = (None, _failure(result)) if failed else (result, None)
+            for r in _replies(call, [_request(row) for row in rows]):
+                failed = isinstance(r, BaseException)
+                reply, failure = (None, f"{type(r).__name__}: {r}") if failed else (r, None)
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)
