@@ -10,7 +10,7 @@ Roles:
   worker  ours|majortomo|bare|blocking  ENDPOINT [--dialect D] [--service echo|stream]
   worker  nats|rabbitmq  URL                  (the reference stacks: benchmarks.peers)
   farm    ENDPOINT COUNT SERVICES             (COUNT idle workers of ours in one process)
-  client  ours|majortomo|bare|blocking  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D]
+  client  ours|majortomo|bare|blocking  ENDPOINT MODE N WARMUP SIZE [WINDOW] [--dialect D] [--stamp yes]
           MODE: sync | pipelined | stream
   client  nats|rabbitmq  URL MODE N WARMUP SIZE [WINDOW]  (MODE: sync | pipelined)
   filler  ENDPOINT N                          (queues N requests on one raw socket; after
@@ -259,14 +259,14 @@ def farm(endpoint: str, count: int, services: int) -> None:
 # --- clients -----------------------------------------------------------------
 
 def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window: int = 1,
-                dialect: str = "rfc") -> None:
+                dialect: str = "rfc", stamp: bool = False) -> None:
     from twisted.internet import defer, reactor
 
     from mdp import Client
 
     body = b"x" * size
     client = Client(endpoint, reactor, timeout=60, retries=1, maxConnections=max(window, 1),
-                    dialect=dialect, **curve_client())
+                    dialect=dialect, stamp=stamp, **curve_client())
     clock = time.perf_counter
 
     async def timed_sync(count: int, latencies: list[float]) -> None:
@@ -658,7 +658,8 @@ def main(argv: list[str]) -> None:
             peers.client(impl, endpoint, mode, n, warmup, size, int(args[6]) if len(args) > 6 else 1)
         elif impl == "ours":
             window = int(args[6]) if len(args) > 6 else 1
-            client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"))
+            client_ours(endpoint, mode, n, warmup, size, window, options.get("dialect", "rfc"),
+                        options.get("stamp") == "yes")
         elif impl == "bare":
             client_bare(endpoint, mode, n, warmup, size)
         elif impl == "blocking":

@@ -4,6 +4,7 @@ running Twisted reactor (docs/spark.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import sys
 import threading
@@ -12,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import attrs
 
 from mdp.errors import MDPSparkError
+from mdp.majordomo.idempotence import stamp
 from mdp.policy import positive_seconds, whole_number
 
 ON_ERROR = ("fail", "null", "column")
@@ -137,28 +139,56 @@ def _call_many(call: ServiceCall, requests: list[Optional[list[bytes]]]) -> Any:
 
 def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     """A row's frames (str sent UTF-8); None if it has none or a null."""
-    if not values or any(v is None for v in values):
-        return None
-    return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+    none = not values or any(v is None for v in values)
+    return None if none else [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
-def _replies(call: ServiceCall, rows: Iterable[Sequence[Any]]) -> list[tuple[Any, Optional[str]]]:
-    """Each row sent: its reply's frames and None, or None and what went wrong."""
-    requests = [_request(row) for row in rows]
-    return [(None, f"{type(r).__name__}: {r}") if isinstance(r, BaseException) else (r, None)
-            for r in (call_many(call, requests) if requests else [])]
+def request_stamp(service: str, key: Any, batch: int) -> tuple[bytes, int]:
+    """The idempotence stamp (client id, sequence) of the row with *key* in micro-batch *batch*:
+    the same whenever that row is sent again, as when a query replays a batch from its checkpoint."""
+    raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
+    return hashlib.blake2b(raw, digest_size=16, key=service.encode("ascii")).digest(), batch
 
 
-def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str) -> tuple[Any, Any]:
-    """One batch's request *columns* (Arrow arrays) sent: its reply and error arrays."""
+def streaming_batch() -> int:
+    """The Structured Streaming micro-batch this task runs for (0 outside a streaming query)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    batch = None if context is None else context.getLocalProperty("streaming.sql.batchId")
+    return int(batch) if batch else 0
+
+
+def _replies(call: ServiceCall, requests: list[Optional[list[bytes]]],
+             keys: Optional[Sequence[Any]] = None) -> list[Any]:
+    """Each request sent (stamped from its key, if *keys*): its reply's frames, or what went
+    wrong (an exception)."""
+    if keys is not None:
+        batch = streaming_batch()
+        requests = [None if f is None or k is None else stamp(*request_stamp(call.service, k, batch), f)
+                    for f, k in zip(requests, keys)]
+    return call_many(call, requests) if requests else []
+
+
+def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
+                  keys: Any = None) -> tuple[Any, Any]:
+    """One batch's request *columns* (string or binary Arrow arrays, a frame each; a row with
+    a null is not sent) sent, stamped from *keys* if given: its reply and error arrays."""
     import pyarrow as pa
 
-    results = _replies(call, zip(*(c.to_pylist() for c in columns)))
+    values = [c.cast(pa.binary() if pa.types.is_string(c.type) else
+                     pa.large_binary() if pa.types.is_large_string(c.type) else c.type).to_pylist()
+              for c in columns]
+    results = _replies(call, [None if None in row else list(row) for row in zip(*values)],
+                       None if keys is None else keys.to_pylist())
+    pick = {"binary": lambda r: r[0], "frames": lambda r: r,
+            "string": lambda r: r[0].decode("utf-8", "replace")}[outputType]
+    failed = [isinstance(r, BaseException) for r in results]
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
-    reply = {"binary": lambda frames: frames[0], "frames": lambda frames: frames,
-             "string": lambda frames: frames[0].decode("utf-8", "replace")}[outputType]
-    return (pa.array([None if failure else reply(r) for r, failure in results], type=kind),
-            pa.array([failure for _, failure in results], type=pa.string()))
+    errors = (pa.array([f"{type(r).__name__}: {r}" if f else None for r, f in zip(results, failed)],
+                       type=pa.string())
+              if any(failed) else pa.nulls(len(results), pa.string()))
+    return pa.array([None if f else pick(r) for r, f in zip(results, failed)], type=kind), errors
 
 
 # --- driver side -----------------------------------------------------------------
@@ -187,19 +217,24 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
                  inputCol: Union[str, Sequence[str]] = "value", outputCol: str = "reply", *,
                  outputType: str = "binary", onError: str = "fail", errorCol: str = "error",
                  window: int = 64, timeout: float = 2.5, retries: int = 3,
-                 dialect: str = "rfc") -> Any:
+                 dialect: str = "rfc", keyCol: Optional[str] = None) -> Any:
     """One MDP request per row of *df* (its *inputCol* columns, one frame each); returns *df*
-    with the reply added.  The options are in docs/spark.md; they are checked at once."""
+    with the reply added.  With *keyCol*, each request is stamped from its row's key and the
+    streaming micro-batch, so workers with a reply store run it once (docs/spark.md).  The
+    options are in docs/spark.md; they are checked at once."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
     schema = _output_schema(df, inputs, added, outputType)
+    if keyCol is not None and keyCol not in df.columns:
+        raise ValueError(f"no key column {keyCol!r} in {sorted(df.columns)}")
 
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
         for batch in batches:
-            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType)
+            keys = None if keyCol is None else batch.column(keyCol)
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType, keys)
             arrays = [*batch.columns, *[replies, errors][:len(added)]]  # the error column if added
             yield pa.RecordBatch.from_arrays(arrays, names=[*batch.schema.names, *added])
 
@@ -288,7 +323,9 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
         elements = iter(elements)
         while chunk := list(itertools.islice(elements, batch)):
             rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
-            for reply, failure in _replies(call, rows):
+            for r in _replies(call, [_request(row) for row in rows]):
+                failed = isinstance(r, BaseException)
+                reply, failure = (None, f"{type(r).__name__}: {r}") if failed else (r, None)
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)

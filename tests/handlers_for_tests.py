@@ -78,3 +78,30 @@ def announced(frames: list[bytes]) -> list[bytes]:
     worker's output to see which requests reached it)."""
     print("handling", frames[0].decode(errors="replace"), flush=True)
     return frames
+
+
+def counted_upper(frames: list[bytes]):
+    """Upper-case the frames after 1 ms, then count the run: a line with the request in
+    ``$MDP_TEST_RUNS/<pid>``.  The first request for ``$MDP_TEST_TRAP`` writes this pid to
+    ``$MDP_TEST_RUNS/trapped`` and never returns (the test kills this worker)."""
+    import os
+
+    from twisted.internet import defer, reactor, task
+
+    runs = os.environ["MDP_TEST_RUNS"]
+    if frames[0] == os.environ.get("MDP_TEST_TRAP", "").encode():
+        try:
+            fd = os.open(os.path.join(runs, "trapped"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            pass
+        else:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return defer.Deferred()
+
+    def done() -> list[bytes]:
+        with open(os.path.join(runs, str(os.getpid())), "ab") as count:
+            count.write(frames[0] + b"\n")
+        return [frame.upper() for frame in frames]
+
+    return task.deferLater(reactor, 0.001, done)

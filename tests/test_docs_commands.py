@@ -635,6 +635,8 @@ RUN_ELSEWHERE: dict[str, str] = {
         "tests/test_benchmarks_smoke.py::test_titanic_benchmark_smoke_run",
     "pip install .":
         "tests/test_packaging.py::test_the_wheel_alone_runs_the_mdp_command_and_the_twist_plugin",
+    "twist mdp-worker --service enrich --handler app:enrich --reply-db /var/lib/mdp/replies.db":
+        "tests/test_spark.py::test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once",
 }
 
 #: documented command -> why no test runs it

@@ -182,6 +182,10 @@ EXCLUDED: dict[str, str] = {
         "a call on the DataFrame `df` of a Spark job, with a broker at broker:5555: "
         "examples/spark_enrich.py is a whole job, run by tests/test_docs_commands.py "
         "(test_the_spark_call_takes_call_services_arguments: its keywords are the API's)",
+    "docs/spark.md: rows = spark.readStream":
+        "a streaming query of a Spark job reading in/, with a broker at broker:5555: "
+        "tests/test_spark.py runs one (test_a_streaming_query_restarted_from_its_checkpoint_"
+        "runs_each_request_once)",
     "docs/spark.md: enrich = service_column(":
         "calls on the DataFrame `df` of a Spark job, whose session must exist (arrow_udf), with "
         "a broker at broker:5555: tests/test_spark.py makes the same calls "

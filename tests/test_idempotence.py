@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from mdp.errors import RemoteError
-from mdp.majordomo.idempotence import STAMP_MARKER, MemoryReplyStore, stamp, unstamp
+from mdp.errors import RemoteError, StoreError
+from mdp.majordomo.idempotence import (
+    STAMP_MARKER,
+    MemoryReplyStore,
+    SQLiteReplyStore,
+    stamp,
+    unstamp,
+)
 from tests.conftest import LoopbackNet
 from tests.test_mdp_behaviour import make_client, start_broker, start_worker
 
@@ -30,6 +38,35 @@ def test_memory_store_is_bounded_lru() -> None:
     assert store.get((b"c", b"1")) == [b"one"]
     with pytest.raises(ValueError):
         MemoryReplyStore(0)
+
+
+def test_an_sqlite_store_is_shared_by_the_processes_that_open_it(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "replies.db")
+    first, second = SQLiteReplyStore(path), SQLiteReplyStore(path)  # two workers of one host
+    first.put((b"c" * 16, b"1"), [b"paid", b"", b"\x00" * 3])
+    assert second.get((b"c" * 16, b"1")) == [b"paid", b"", b"\x00" * 3]  # frames kept, empty ones too
+    assert second.get((b"c" * 16, b"2")) is None
+    first.close()
+    reopened = SQLiteReplyStore(path)  # a worker started after one was killed
+    assert reopened.get((b"c" * 16, b"1")) == [b"paid", b"", b"\x00" * 3]
+    reopened.close()
+    second.close()
+
+
+def test_an_sqlite_store_keeps_the_newest_max_entries(tmp_path: pathlib.Path) -> None:
+    store = SQLiteReplyStore(str(tmp_path / "replies.db"), maxEntries=3)
+    for n in range(10):
+        store.put((b"c" * 16, str(n).encode()), [str(n).encode()])
+    assert len(store) == 3
+    assert store.get((b"c" * 16, b"9")) == [b"9"] and store.get((b"c" * 16, b"6")) is None
+    store.close()
+
+
+def test_an_sqlite_store_that_cannot_open_says_where(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(StoreError, match="cannot open the reply store .*missing"):
+        SQLiteReplyStore(str(tmp_path / "missing" / "replies.db"))
+    with pytest.raises(ValueError):
+        SQLiteReplyStore(str(tmp_path / "replies.db"), maxEntries=0)
 
 
 @pytest.mark.parametrize("body", [
@@ -145,3 +182,24 @@ async def test_a_stamping_client_asks_mmi_as_any_other(clocknet: LoopbackNet) ->
     (workers,) = await clocknet.wait(stamped.request("mmi.workers", b"echo"))
     assert len(json.loads(workers)) == 1
     assert await clocknet.wait(stamped.request("echo", b"hi")) == [b"hi"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_stamped_by_its_caller_runs_once_across_workers_sharing_a_store(
+        clocknet: LoopbackNet, tmp_path: pathlib.Path) -> None:
+    # a caller that derives the stamp itself (the Spark bridge: from a key column and the
+    # batch), sent by a client that stamps nothing, replayed after its first worker stopped
+    _, endpoint = await start_broker(clocknet)
+    runs: list[list[bytes]] = []
+    path = str(tmp_path / "replies.db")
+    first = start_worker(clocknet, endpoint, "pay", lambda f: runs.append(f) or [b"paid", *f],
+                         replies=SQLiteReplyStore(path))
+    client = make_client(clocknet, endpoint)
+    request = stamp(b"k" * 16, 3, [b"42"])
+    assert await clocknet.wait(client.request("pay", *request)) == [b"paid", b"42"]
+    await clocknet.wait(first.stop())
+    start_worker(clocknet, endpoint, "pay", lambda f: runs.append(f) or [b"again", *f],
+                 replies=SQLiteReplyStore(path))
+    assert await clocknet.wait(client.request("pay", *request)) == [b"paid", b"42"]  # from the store
+    assert runs == [[b"42"]]
+    assert await clocknet.wait(client.request("pay", *stamp(b"k" * 16, 4, [b"42"]))) == [b"again", b"42"]

@@ -278,6 +278,8 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.majordomo.client.Client": _client,
     "mdp.majordomo.client._ChannelPipe": _channel,
     "mdp.majordomo.idempotence.MemoryReplyStore": _bare("mdp.majordomo.idempotence.MemoryReplyStore"),
+    "mdp.majordomo.idempotence.SQLiteReplyStore": _bare("mdp.majordomo.idempotence.SQLiteReplyStore",
+                                                        ":memory:"),
     "mdp.freelance._Binding": _freelance_binding,
     "mdp.freelance.AgentClient": _agent,
     "mdp.transport.framing.RecordDecoder": _bare("mdp.transport.framing.RecordDecoder"),

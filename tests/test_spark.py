@@ -214,3 +214,80 @@ def test_the_rdd_batch_is_checked_on_the_driver(batch: Any, error: Any) -> None:
 
     with pytest.raises(error, match="batch"):
         call_service_rdd(_Untouchable(), "upper", "zmq:tcp://127.0.0.1:5555", batch=batch)
+
+
+def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
+        spark: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    # a file source read one file a micro-batch; a worker is killed while it holds a request
+    # of the second batch and the query is stopped there, then started again from its
+    # checkpoint: the batch is replayed, and the workers' shared reply store answers what
+    # already ran
+    import json
+
+    from mdp.spark import call_service
+
+    runs, source = tmp_path / "runs", tmp_path / "in"
+    runs.mkdir()
+    source.mkdir()
+    rows = 3 * 60
+    for part in range(3):
+        lines = [json.dumps({"id": n, "value": f"row{n}"}) for n in range(part * 60, part * 60 + 60)]
+        (source / f"part{part}.json").write_text("\n".join(lines))
+    monkeypatch.setenv("MDP_TEST_RUNS", str(runs))
+    monkeypatch.setenv("MDP_TEST_TRAP", "row75")  # in the second batch
+    with Processes() as procs:
+        broker = twist(procs, "mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:*", *HB)
+        endpoint = broker.waitFor("MDP broker listening on", 60).split("listening on ")[1].split()[0]
+        workers = [twist(procs, "mdp-worker", "--broker", endpoint, "--service", "upper",
+                         "--reply-db", str(tmp_path / "replies.db"),
+                         "--handler", "tests.handlers_for_tests:counted_upper", *HB) for _ in range(2)]
+        for worker in workers:
+            worker.waitFor("sent READY", 60)
+
+        def start() -> Any:
+            stream = spark.readStream.schema("id long, value string").option("maxFilesPerTrigger", 1)
+            out = call_service(stream.json(str(source)), "upper", endpoint, outputType="string",
+                               keyCol="id", timeout=1.0, retries=10)
+            return (out.writeStream.format("json").option("path", str(tmp_path / "out"))
+                    .option("checkpointLocation", str(tmp_path / "checkpoint"))
+                    .trigger(availableNow=True).start())
+
+        query = start()
+        deadline = time.monotonic() + 40
+        while not (runs / "trapped").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        trapped = int((runs / "trapped").read_text())
+        victim = next(w for w in workers if w.proc.pid == trapped)
+        victim.proc.send_signal(signal.SIGKILL)
+        assert victim.proc.wait(10) == -signal.SIGKILL
+        query.stop()
+        query = start()
+        query.awaitTermination(40)
+        assert query.exception() is None
+
+    out = spark.read.json(str(tmp_path / "out")).collect()
+    assert sorted(r.id for r in out) == list(range(rows))  # none lost, none twice
+    assert all(r.reply == f"ROW{r.id}" for r in out)
+    executed = [line for f in runs.iterdir() if f.name != "trapped" for line in f.read_text().split()]
+    assert sorted(executed) == sorted(f"row{n}" for n in range(rows))  # each request ran once
+
+
+def test_a_rows_stamp_depends_on_its_service_key_and_batch_only() -> None:
+    from mdp.majordomo.idempotence import CLIENT_ID_BYTES
+    from mdp.spark import request_stamp
+
+    first = request_stamp("upper", 42, 7)
+    assert first == request_stamp("upper", 42, 7)  # a replayed batch: the same stamp
+    assert len(first[0]) == CLIENT_ID_BYTES and first[1] == 7
+    assert request_stamp("upper", "42", 7) == first  # a key is its text
+    assert request_stamp("upper", 43, 7)[0] != first[0]
+    assert request_stamp("lower", 42, 7)[0] != first[0]
+    assert request_stamp("upper", 42, 8) != first  # the row again in a later batch: runs again
+
+
+def test_a_missing_key_column_is_refused_on_the_driver(spark: Any) -> None:
+    from mdp.spark import call_service
+
+    df = spark.range(3).selectExpr("cast(id as string) as value")
+    with pytest.raises(ValueError, match="no key column 'id'"):
+        call_service(df, "upper", "zmq:tcp://127.0.0.1:5555", keyCol="id")

@@ -20,7 +20,7 @@ from mdp.errors import MDPError, TransportError
 from mdp.handlers import load_handler
 from mdp.majordomo import broker
 from mdp.majordomo.codec import api_service_name, check_dialect
-from mdp.majordomo.idempotence import MemoryReplyStore
+from mdp.majordomo.idempotence import MemoryReplyStore, SQLiteReplyStore
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
@@ -517,6 +517,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
         _option("reply-store", 0, "Remember the replies to this many stamped requests and answer their "
                 "retries from memory (0: off).", whole_option, 0),
+        ["reply-db", None, None, "Keep the replies to stamped requests in this SQLite file, shared by "
+         "the workers of this host (with --reply-store N: the newest N; else a million)."],
         _option("concurrency", 1, "Requests served at once (worker sessions of this process).",
                 whole_option, 1),
     ] + _METRICS_OPTIONS
@@ -529,12 +531,16 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
         with usage_errors("service"):
             api_service_name(self["service"])
+        self["replies"] = MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None
+        if self["reply-db"]:
+            with usage_errors("reply-db", (MDPError,)):
+                self["replies"] = SQLiteReplyStore(self["reply-db"], self["reply-store"] or 1_000_000)
 
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(
             self["brokers"], self["service"], self["handler-callable"], heartbeat=self.heartbeatPolicy(),
             backoff=attrs.evolve(policy.PIRATE, maximum=self["backoff-max"]), dialect=self["dialect"],
-            replies=MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None,
+            replies=self["replies"],
             limits=limits_of(self), metrics=metrics, concurrency=self["concurrency"],
             **curve_client_of(self))
 

@@ -1,16 +1,21 @@
 """Opt-in duplicate filtering for non-idempotent services (docs/mdp.md): clients **stamp** requests
 (``Client(..., stamp=True)``, :func:`stamp`: the same stamp on every retry) and workers keep the FINALs
 of stamped requests in a **reply store** (``Worker(..., replies=MemoryReplyStore())``) to answer a retry
-from it.  The store knows only *finished* requests: share one between workers to filter across them."""
+from it.  The store knows only *finished* requests: share one between workers (:class:`SQLiteReplyStore`)
+to filter across them."""
 
 from __future__ import annotations
 
+import sqlite3
+import sys
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from zope.interface import Interface, implementer
 
-from mdp.policy import whole_number
+from mdp.errors import StoreError
+from mdp.policy import Limits, whole_number
+from mdp.transport.framing import decode_record, encode_record
 
 STAMP_MARKER = b"\x00MDP-ID"
 
@@ -90,3 +95,48 @@ class MemoryReplyStore:
         self.heldBytes += size
         while len(replies) > self.maxEntries or self.heldBytes > self.maxBytes:
             self.heldBytes -= replies.popitem(last=False)[1][1]
+
+
+#: a stored reply was sent: no bound applies to reading it back
+_UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
+
+
+@implementer(IReplyStore)
+class SQLiteReplyStore:
+    """Replies in an SQLite file that the workers of one host share (WAL mode), so a retry that
+    reaches another worker, or a worker started after one was killed, is answered from it.  The
+    oldest entries beyond *maxEntries* go.  :class:`~mdp.errors.StoreError` if it cannot open."""
+
+    #: puts between two trims of the entries beyond maxEntries (every put if maxEntries is smaller)
+    TRIM_EVERY = 1000
+
+    def __init__(self, path: str, maxEntries: int = 1_000_000) -> None:
+        self.path = path
+        self.maxEntries = whole_number("maxEntries", maxEntries)
+        self._puts = 0
+        try:
+            self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS replies (client BLOB NOT NULL, "
+                             "sequence BLOB NOT NULL, reply BLOB NOT NULL, PRIMARY KEY (client, sequence))")
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the reply store {path}: {e}") from None
+
+    def __len__(self) -> int:
+        return self._db.execute("SELECT count(*) FROM replies").fetchone()[0]
+
+    def get(self, key: StampKey) -> Optional[list[bytes]]:
+        row = self._db.execute("SELECT reply FROM replies WHERE client = ? AND sequence = ?",
+                               key).fetchone()
+        return None if row is None else decode_record(row[0], _UNBOUNDED)
+
+    def put(self, key: StampKey, reply: list[bytes]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?)", (*key, encode_record(reply)[4:]))
+        self._puts += 1
+        if self.maxEntries <= self.TRIM_EVERY or self._puts % self.TRIM_EVERY == 0:
+            self._db.execute("DELETE FROM replies WHERE rowid <= (SELECT max(rowid) FROM replies) - ?",
+                             (self.maxEntries,))
+
+    def close(self) -> None:
+        self._db.close()
