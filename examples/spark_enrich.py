@@ -30,7 +30,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 SERVICE = "enrich"
@@ -131,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         broker = args.broker
         if broker is None:
-            broker, children = start_local_services(os.path.join(tempfile.mkdtemp(), "replies.db"))
+            # the workers' reply store lives beside the output, as the checkpoint does: a
+            # streaming run started again after a crash finds what the last one answered
+            broker, children = start_local_services(args.output.rstrip("/") + ".replies.db")
         builder = SparkSession.builder.appName("spark_enrich")
         builder = (builder.remote(args.remote) if args.remote
                    else builder.master(args.master).config("spark.ui.enabled", "false"))

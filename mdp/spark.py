@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import sys
 import threading
+import uuid
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import attrs
@@ -143,35 +144,46 @@ def _request(values: Sequence[Any]) -> Optional[list[bytes]]:
     return None if none else [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
 
 
-def request_stamp(service: str, key: Any, batch: int) -> tuple[bytes, int]:
-    """The idempotence stamp (client id, sequence) of the row with *key* in micro-batch *batch*:
-    the same whenever that row is sent again, as when a query replays a batch from its checkpoint."""
+def request_stamp(service: str, key: Any, frames: Sequence[bytes], scope: str,
+                  sequence: int) -> tuple[bytes, int]:
+    """The idempotence stamp (client id, sequence) of the row with *key* and request *frames*:
+    the same whenever that row is sent again within *scope* and *sequence* (a streaming query's
+    id and micro-batch, as when it replays a batch from its checkpoint; see :func:`stamp_scope`)."""
+    digest = hashlib.blake2b(digest_size=16)
     raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
-    return hashlib.blake2b(raw, digest_size=16, key=service.encode("ascii")).digest(), batch
+    for part in (service.encode("ascii"), scope.encode("utf-8"), raw, *frames):
+        digest.update(len(part).to_bytes(8, "big") + part)
+    return digest.digest(), sequence
 
 
-def streaming_batch() -> int:
-    """The Structured Streaming micro-batch this task runs for (0 outside a streaming query)."""
+def stamp_scope(own: str) -> tuple[str, int]:
+    """What this task's stamps are made within: its streaming query's id (kept across restarts
+    from the checkpoint, also under ``foreachBatch``) and micro-batch; elsewhere *own*, one per
+    ``call_service`` (a retried task sends the same stamps, a new call new ones), and 0."""
     from pyspark import TaskContext
 
     context = TaskContext.get()
-    batch = None if context is None else context.getLocalProperty("streaming.sql.batchId")
-    return int(batch) if batch else 0
+    query = batch = None
+    if context is not None:
+        query = context.getLocalProperty("sql.streaming.queryId")
+        batch = context.getLocalProperty("streaming.sql.batchId")
+    return (query, int(batch)) if query and batch else (own, 0)
 
 
 def _replies(call: ServiceCall, requests: list[Optional[list[bytes]]],
-             keys: Optional[Sequence[Any]] = None) -> list[Any]:
-    """Each request sent (stamped from its key, if *keys*): its reply's frames, or what went
-    wrong (an exception)."""
+             keys: Optional[Sequence[Any]] = None, own: str = "") -> list[Any]:
+    """Each request sent (stamped from its key within :func:`stamp_scope`, if *keys*): its
+    reply's frames, or what went wrong (an exception)."""
     if keys is not None:
-        batch = streaming_batch()
-        requests = [None if f is None or k is None else stamp(*request_stamp(call.service, k, batch), f)
+        scope, sequence = stamp_scope(own)
+        requests = [None if f is None or k is None
+                    else stamp(*request_stamp(call.service, k, f, scope, sequence), f)
                     for f, k in zip(requests, keys)]
     return call_many(call, requests) if requests else []
 
 
 def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
-                  keys: Any = None) -> tuple[Any, Any]:
+                  keys: Any = None, own: str = "") -> tuple[Any, Any]:
     """One batch's request *columns* (string or binary Arrow arrays, a frame each; a row with
     a null is not sent) sent, stamped from *keys* if given: its reply and error arrays."""
     import pyarrow as pa
@@ -180,7 +192,7 @@ def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
                      pa.large_binary() if pa.types.is_large_string(c.type) else c.type).to_pylist()
               for c in columns]
     results = _replies(call, [None if None in row else list(row) for row in zip(*values)],
-                       None if keys is None else keys.to_pylist())
+                       None if keys is None else keys.to_pylist(), own)
     pick = {"binary": lambda r: r[0], "frames": lambda r: r,
             "string": lambda r: r[0].decode("utf-8", "replace")}[outputType]
     failed = [isinstance(r, BaseException) for r in results]
@@ -228,13 +240,15 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
     schema = _output_schema(df, inputs, added, outputType)
     if keyCol is not None and keyCol not in df.columns:
         raise ValueError(f"no key column {keyCol!r} in {sorted(df.columns)}")
+    own = uuid.uuid4().hex  # this call's stamp scope outside a streaming query
 
     def mapper(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
         for batch in batches:
             keys = None if keyCol is None else batch.column(keyCol)
-            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType, keys)
+            replies, errors = _reply_arrays(call, [batch.column(n) for n in inputs], outputType,
+                                            keys, own)
             arrays = [*batch.columns, *[replies, errors][:len(added)]]  # the error column if added
             yield pa.RecordBatch.from_arrays(arrays, names=[*batch.schema.names, *added])
 

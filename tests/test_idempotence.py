@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sqlite3
 
 import pytest
 import pytest_twisted
@@ -67,6 +68,41 @@ def test_an_sqlite_store_that_cannot_open_says_where(tmp_path: pathlib.Path) -> 
         SQLiteReplyStore(str(tmp_path / "missing" / "replies.db"))
     with pytest.raises(ValueError):
         SQLiteReplyStore(str(tmp_path / "replies.db"), maxEntries=0)
+    other = sqlite3.connect(str(tmp_path / "other.db"))
+    other.execute("CREATE TABLE replies (id INTEGER)")  # a file of something else
+    other.close()
+    with pytest.raises(StoreError, match="other.db: no such column"):
+        SQLiteReplyStore(str(tmp_path / "other.db"))
+
+
+def test_an_sqlite_store_reopened_smaller_trims_a_bounded_number_a_put(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "replies.db")
+    big = SQLiteReplyStore(path)
+    big._db.executemany("INSERT INTO replies VALUES (?, ?, ?)",
+                        ((b"c" * 16, str(n).encode(), b"") for n in range(5000)))
+    big.close()
+    small = SQLiteReplyStore(path, maxEntries=10)
+    small.put((b"c" * 16, b"new"), [b"x"])
+    assert len(small) == 5001 - 2 * SQLiteReplyStore.TRIM_EVERY  # not all 4,991 in one put
+    small.put((b"c" * 16, b"newer"), [b"y"])
+    small.put((b"c" * 16, b"newest"), [b"z"])
+    assert len(small) == 10 and small.get((b"c" * 16, b"new")) == [b"x"]
+    small.close()
+
+
+def test_an_sqlite_store_locked_by_another_worker_fails_a_call_soon(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "replies.db")
+    store = SQLiteReplyStore(path, busyTimeout=0.05)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another worker in the middle of a write
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            store.put((b"c" * 16, b"1"), [b"x"])
+        assert store.get((b"c" * 16, b"1")) is None  # readers are not held up (WAL)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        store.close()
 
 
 @pytest.mark.parametrize("body", [

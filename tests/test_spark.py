@@ -272,17 +272,29 @@ def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
     assert sorted(executed) == sorted(f"row{n}" for n in range(rows))  # each request ran once
 
 
-def test_a_rows_stamp_depends_on_its_service_key_and_batch_only() -> None:
+def test_a_rows_stamp_depends_on_its_service_key_request_and_scope_only() -> None:
     from mdp.majordomo.idempotence import CLIENT_ID_BYTES
     from mdp.spark import request_stamp
 
-    first = request_stamp("upper", 42, 7)
-    assert first == request_stamp("upper", 42, 7)  # a replayed batch: the same stamp
+    query = "0f4c9b1e-query"
+    first = request_stamp("upper", 42, [b"row42"], query, 7)
+    assert first == request_stamp("upper", 42, [b"row42"], query, 7)  # a replayed batch: the same
     assert len(first[0]) == CLIENT_ID_BYTES and first[1] == 7
-    assert request_stamp("upper", "42", 7) == first  # a key is its text
-    assert request_stamp("upper", 43, 7)[0] != first[0]
-    assert request_stamp("lower", 42, 7)[0] != first[0]
-    assert request_stamp("upper", 42, 8) != first  # the row again in a later batch: runs again
+    assert request_stamp("upper", "42", [b"row42"], query, 7) == first  # a key is its text
+    for other in (request_stamp("upper", 43, [b"row42"], query, 7),  # another row
+                  request_stamp("lower", 42, [b"row42"], query, 7),  # another service
+                  request_stamp("upper", 42, [b"other"], query, 7),  # the key reused for other data
+                  request_stamp("upper", 42, [b"row4", b"2"], query, 7),  # frames are not joined
+                  request_stamp("upper", 42, [b"row42"], "another-query", 7)):  # another query
+        assert other[0] != first[0]
+    assert request_stamp("upper", 42, [b"row42"], query, 8) != first  # in a later batch: runs again
+    assert len(request_stamp("s" * 255, 42, [b"row42"], query, 7)[0]) == CLIENT_ID_BYTES
+
+
+def test_outside_a_streaming_query_each_call_stamps_within_its_own_scope() -> None:
+    from mdp.spark import stamp_scope
+
+    assert stamp_scope("call-1") == ("call-1", 0)  # no task here: a call's own scope
 
 
 def test_a_missing_key_column_is_refused_on_the_driver(spark: Any) -> None:

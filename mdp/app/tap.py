@@ -515,8 +515,8 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         _HANDLER,
         _option("backoff-max", 32.0, "Longest reconnect delay in seconds.", seconds_option, MIN_INTERVAL),
         ["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.", check_dialect],
-        _option("reply-store", 0, "Remember the replies to this many stamped requests and answer their "
-                "retries from memory (0: off).", whole_option, 0),
+        _option("reply-store", 0, "Remember the replies to this many stamped requests (in the "
+                "--reply-db file if given) and answer their retries from them (0: off).", whole_option, 0),
         ["reply-db", None, None, "Keep the replies to stamped requests in this SQLite file, shared by "
          "the workers of this host (with --reply-store N: the newest N; else a million)."],
         _option("concurrency", 1, "Requests served at once (worker sessions of this process).",

@@ -105,21 +105,28 @@ _UNBOUNDED = Limits(maxMessageBytes=sys.maxsize, maxFrames=sys.maxsize)
 class SQLiteReplyStore:
     """Replies in an SQLite file that the workers of one host share (WAL mode), so a retry that
     reaches another worker, or a worker started after one was killed, is answered from it.  The
-    oldest entries beyond *maxEntries* go.  :class:`~mdp.errors.StoreError` if it cannot open."""
+    entries put before the last *maxEntries* puts go, a bounded number at a time.  A lock held
+    by another worker is waited for *busyTimeout* seconds at most (below a heartbeat), then the
+    call fails: a lookup that fails runs the request.  :class:`~mdp.errors.StoreError` if the
+    file cannot be opened in WAL mode or holds another ``replies`` table."""
 
     #: puts between two trims of the entries beyond maxEntries (every put if maxEntries is smaller)
     TRIM_EVERY = 1000
 
-    def __init__(self, path: str, maxEntries: int = 1_000_000) -> None:
+    def __init__(self, path: str, maxEntries: int = 1_000_000, busyTimeout: float = 0.5) -> None:
         self.path = path
         self.maxEntries = whole_number("maxEntries", maxEntries)
         self._puts = 0
         try:
-            self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db = sqlite3.connect(path, timeout=busyTimeout, isolation_level=None,
+                                       check_same_thread=False)
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode not in ("wal", "memory"):  # (memory: a store of one process, for tests)
+                raise sqlite3.DatabaseError(f"it cannot be shared in WAL mode here (journal mode {mode})")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS replies (client BLOB NOT NULL, "
                              "sequence BLOB NOT NULL, reply BLOB NOT NULL, PRIMARY KEY (client, sequence))")
+            self._db.execute("SELECT client, sequence, reply FROM replies LIMIT 0")
         except sqlite3.Error as e:
             raise StoreError(f"cannot open the reply store {path}: {e}") from None
 
@@ -135,8 +142,9 @@ class SQLiteReplyStore:
         self._db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?)", (*key, encode_record(reply)[4:]))
         self._puts += 1
         if self.maxEntries <= self.TRIM_EVERY or self._puts % self.TRIM_EVERY == 0:
-            self._db.execute("DELETE FROM replies WHERE rowid <= (SELECT max(rowid) FROM replies) - ?",
-                             (self.maxEntries,))
+            self._db.execute("DELETE FROM replies WHERE rowid IN (SELECT rowid FROM replies WHERE rowid"
+                             " <= (SELECT max(rowid) FROM replies) - ? LIMIT ?)",
+                             (self.maxEntries, 2 * self.TRIM_EVERY))
 
     def close(self) -> None:
         self._db.close()
