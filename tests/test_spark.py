@@ -219,9 +219,10 @@ def test_the_rdd_batch_is_checked_on_the_driver(batch: Any, error: Any) -> None:
 def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
         spark: Any, tmp_path: Any, monkeypatch: Any) -> None:
     # a file source read one file a micro-batch; a worker is killed while it holds a request
-    # of the second batch and the query is stopped there, then started again from its
-    # checkpoint: the batch is replayed, and the workers' shared reply store answers what
-    # already ran
+    # of the second batch, once half of that batch is answered, and the query is stopped
+    # there, then started again from its checkpoint: the batch is replayed, and the workers'
+    # shared reply store answers what already ran.  The second batch reuses the first's keys:
+    # half with the same data (a new request: a later batch), half with other data
     import json
 
     from mdp.spark import call_service
@@ -229,12 +230,18 @@ def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
     runs, source = tmp_path / "runs", tmp_path / "in"
     runs.mkdir()
     source.mkdir()
-    rows = 3 * 60
-    for part in range(3):
-        lines = [json.dumps({"id": n, "value": f"row{n}"}) for n in range(part * 60, part * 60 + 60)]
-        (source / f"part{part}.json").write_text("\n".join(lines))
+    parts = [[(n, f"row{n}") for n in range(60)],
+             [(n, f"row{n}" if n < 30 else f"new{n}") for n in range(60)],
+             [(n, f"row{n}") for n in range(120, 180)]]
+    for number, part in enumerate(parts):
+        lines = [json.dumps({"id": n, "value": value}) for n, value in part]
+        (source / f"part{number}.json").write_text("\n".join(lines))
     monkeypatch.setenv("MDP_TEST_RUNS", str(runs))
-    monkeypatch.setenv("MDP_TEST_TRAP", "row75")  # in the second batch
+    monkeypatch.setenv("MDP_TEST_TRAP", "new59")  # in the second batch
+
+    def executed() -> list[str]:
+        return [line for f in runs.iterdir() if f.name != "trapped" for line in f.read_text().split()]
+
     with Processes() as procs:
         broker = twist(procs, "mdp-broker", "--endpoint", "zmq:tcp://127.0.0.1:*", *HB)
         endpoint = broker.waitFor("MDP broker listening on", 60).split("listening on ")[1].split()[0]
@@ -254,7 +261,8 @@ def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
 
         query = start()
         deadline = time.monotonic() + 40
-        while not (runs / "trapped").exists() and time.monotonic() < deadline:
+        while not ((runs / "trapped").exists() and len(executed()) >= 60 + 30):
+            assert time.monotonic() < deadline, f"ran {len(executed())}, {sorted(runs.iterdir())}"
             time.sleep(0.05)
         trapped = int((runs / "trapped").read_text())
         victim = next(w for w in workers if w.proc.pid == trapped)
@@ -266,10 +274,10 @@ def test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once(
         assert query.exception() is None
 
     out = spark.read.json(str(tmp_path / "out")).collect()
-    assert sorted(r.id for r in out) == list(range(rows))  # none lost, none twice
-    assert all(r.reply == f"ROW{r.id}" for r in out)
-    executed = [line for f in runs.iterdir() if f.name != "trapped" for line in f.read_text().split()]
-    assert sorted(executed) == sorted(f"row{n}" for n in range(rows))  # each request ran once
+    rows = sorted(row for part in parts for row in part)
+    assert sorted((r.id, r.value) for r in out) == rows  # none lost, none twice
+    assert all(r.reply == r.value.upper() for r in out)  # each its own reply, none a stored one
+    assert sorted(executed()) == sorted(value for _, value in rows)  # each request ran once
 
 
 def test_a_rows_stamp_depends_on_its_service_key_request_and_scope_only() -> None:
