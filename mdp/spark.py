@@ -19,6 +19,7 @@ from mdp.policy import positive_seconds, whole_number
 
 ON_ERROR = ("fail", "null", "column")
 OUTPUT_TYPES = ("binary", "string", "frames")
+_failure = "{0.__class__.__name__}: {0}".format  # a failed row's error text
 
 @attrs.frozen
 class ServiceCall:
@@ -197,8 +198,7 @@ def _reply_arrays(call: ServiceCall, columns: Sequence[Any], outputType: str,
             "string": lambda r: r[0].decode("utf-8", "replace")}[outputType]
     failed = [isinstance(r, BaseException) for r in results]
     kind = {"binary": pa.binary(), "string": pa.string(), "frames": pa.list_(pa.binary())}[outputType]
-    errors = (pa.array([f"{type(r).__name__}: {r}" if f else None for r, f in zip(results, failed)],
-                       type=pa.string())
+    errors = (pa.array([_failure(r) if f else None for r, f in zip(results, failed)], type=pa.string())
               if any(failed) else pa.nulls(len(results), pa.string()))
     return pa.array([None if f else pick(r) for r, f in zip(results, failed)], type=kind), errors
 
@@ -231,9 +231,9 @@ def call_service(df: Any, service: Union[str, bytes], broker: Union[str, Sequenc
                  window: int = 64, timeout: float = 2.5, retries: int = 3,
                  dialect: str = "rfc", keyCol: Optional[str] = None) -> Any:
     """One MDP request per row of *df* (its *inputCol* columns, one frame each); returns *df*
-    with the reply added.  With *keyCol*, each request is stamped from its row's key and the
-    streaming micro-batch, so workers with a reply store run it once (docs/spark.md).  The
-    options are in docs/spark.md; they are checked at once."""
+    with the reply added.  With *keyCol*, each request is stamped from its row's key and frames
+    within :func:`stamp_scope`, so workers sharing a reply store run it once (docs/spark.md).
+    The options are in docs/spark.md; they are checked at once."""
     call = _service_call(service, broker, timeout, retries, window, dialect, onError, outputType)
     inputs = [inputCol] if isinstance(inputCol, str) else list(inputCol)
     added = [outputCol, errorCol] if onError == "column" else [outputCol]
@@ -338,8 +338,7 @@ def call_service_rdd(rdd: Any, service: Union[str, bytes], broker: Union[str, Se
         while chunk := list(itertools.islice(elements, batch)):
             rows = [[e] if isinstance(e, (str, bytes, bytearray)) or e is None else list(e) for e in chunk]
             for r in _replies(call, [_request(row) for row in rows]):
-                failed = isinstance(r, BaseException)
-                reply, failure = (None, f"{type(r).__name__}: {r}") if failed else (r, None)
+                reply, failure = (None, _failure(r)) if isinstance(r, BaseException) else (r, None)
                 yield (reply, failure) if call.onError == "column" else reply
 
     return rdd.mapPartitions(partition)

@@ -518,7 +518,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         _option("reply-store", 0, "Remember the replies to this many stamped requests (in the "
                 "--reply-db file if given) and answer their retries from them (0: off).", whole_option, 0),
         ["reply-db", None, None, "Keep the replies to stamped requests in this SQLite file, shared by "
-         "the workers of this host (with --reply-store N: the newest N; else a million)."],
+         "the workers of this host (with --reply-store N: the last N; else a million)."],
         _option("concurrency", 1, "Requests served at once (worker sessions of this process).",
                 whole_option, 1),
     ] + _METRICS_OPTIONS
@@ -531,10 +531,10 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
         with usage_errors("service"):
             api_service_name(self["service"])
-        self["replies"] = MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None
-        if self["reply-db"]:
-            with usage_errors("reply-db", (MDPError,)):
-                self["replies"] = SQLiteReplyStore(self["reply-db"], self["reply-store"] or 1_000_000)
+        with usage_errors("reply-db", (MDPError,)):
+            self["replies"] = (SQLiteReplyStore(self["reply-db"], self["reply-store"] or 1_000_000)
+                               if self["reply-db"] else
+                               MemoryReplyStore(self["reply-store"]) if self["reply-store"] else None)
 
     def newService(self, metrics: Any) -> Any:
         return service.WorkerService(

@@ -121,7 +121,7 @@ class SQLiteReplyStore:
             self._db = sqlite3.connect(path, timeout=busyTimeout, isolation_level=None,
                                        check_same_thread=False)
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode not in ("wal", "memory"):  # (memory: a store of one process, for tests)
+            if mode not in ("wal", "memory"):  # (memory: a ":memory:" store, of one process)
                 raise sqlite3.DatabaseError(f"it cannot be shared in WAL mode here (journal mode {mode})")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS replies (client BLOB NOT NULL, "
