@@ -499,30 +499,28 @@ def table(report: dict[str, Any]) -> str:
     goal = report["goal"]["ratio_at_least"]
     lines.append(f"\nSpark / plain client: {report['ratio']:.2f} "
                  f"(goal >= {goal}: {'met' if report['met'] else 'NOT met'})")
-    plain = statistics.median(r["plain_cpu"]["machine_ms_per_1k"] for r in report["rounds"])
+    rounds = report["rounds"]
+    phases = {"plain client": [r["plain_cpu"] for r in rounds]}
+    if all("plain_stamped_cpu" in r for r in rounds):  # (reports before the keyed mode have none)
+        phases["plain client, stamped"] = [r["plain_stamped_cpu"] for r in rounds]
+    phases.update({mode: [r["modes"][mode]["cpu"] for r in rounds] for mode in report["cpu_ratio"]})
+    machine = {phase: statistics.median(c["machine_ms_per_1k"] for c in cpus)
+               for phase, cpus in phases.items()}
     lines += ["", "| mode | CPU ms per 1k rows (median) | against the plain client |", "|---|---:|---:|",
-              f"| plain client | {plain:.0f} | 1.00 |"]
-    stamped = [r["plain_stamped_cpu"]["machine_ms_per_1k"] for r in report["rounds"]
-               if "plain_stamped_cpu" in r]
-    if stamped:
+              f"| plain client | {machine['plain client']:.0f} | 1.00 |"]
+    if "plain client, stamped" in machine:
         lines.append(f"| plain client, stamped (the keyed mode's baseline) "
-                     f"| {statistics.median(stamped):.0f} | |")
+                     f"| {machine['plain client, stamped']:.0f} | |")
     for mode, ratio in report["cpu_ratio"].items():
-        ms = statistics.median(r["modes"][mode]["cpu"]["machine_ms_per_1k"] for r in report["rounds"])
-        lines.append(f"| Spark, {mode} | {ms:.0f} | {ratio:.2f} |")
+        lines.append(f"| Spark, {mode} | {machine[mode]:.0f} | {ratio:.2f} |")
     lines.append(f"\nCPU per row goal: at most {report['goal']['cpu_ratio_at_most']}x the plain client")
-    phases = {"plain client": [r["plain_cpu"] for r in report["rounds"]],
-              **({"plain client, stamped": [r["plain_stamped_cpu"] for r in report["rounds"]]}
-                 if stamped else {}),
-              **{mode: [r["modes"][mode]["cpu"] for r in report["rounds"]] for mode in report["cpu_ratio"]}}
     kinds = sorted({k for cpus in phases.values() for c in cpus for k in c["by_kind_ms_per_1k"]})
     lines += ["", "Where it goes, CPU ms per 1k rows (median; the plain client's own process is in "
               "the machine's figure only, as it ends before it is read):", "",
               "| phase | " + " | ".join(kinds) + " | machine |", "|---|" + "---:|" * (len(kinds) + 1)]
     for phase, cpus in phases.items():
         cells = [statistics.median(c["by_kind_ms_per_1k"].get(k, 0.0) for c in cpus) for k in kinds]
-        machine = statistics.median(c["machine_ms_per_1k"] for c in cpus)
-        lines.append(f"| {phase} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {machine:.0f} |")
+        lines.append(f"| {phase} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {machine[phase]:.0f} |")
     return "\n".join(lines)
 
 
