@@ -9,7 +9,7 @@ import itertools
 import sys
 import threading
 import uuid
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import attrs
 
@@ -150,11 +150,22 @@ def request_stamp(service: str, key: Any, frames: Sequence[bytes], scope: str,
     """The idempotence stamp (client id, sequence) of the row with *key* and request *frames*:
     the same whenever that row is sent again within *scope* and *sequence* (a streaming query's
     id and micro-batch, as when it replays a batch from its checkpoint; see :func:`stamp_scope`)."""
-    digest = hashlib.blake2b(digest_size=16)
-    raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
-    for part in (service.encode("ascii"), scope.encode("utf-8"), raw, *frames):
-        digest.update(len(part).to_bytes(8, "big") + part)
-    return digest.digest(), sequence
+    return _row_digest(service, scope)(key, frames), sequence
+
+
+def _row_digest(service: str, scope: str) -> Callable[[Any, Sequence[bytes]], bytes]:
+    """:func:`request_stamp`'s client id for many rows of one *service* and *scope*: a blake2b
+    over each part, length first, with the parts all rows share hashed once."""
+    head = hashlib.blake2b(digest_size=16)
+    head.update(b"".join(len(p).to_bytes(8, "big") + p
+                         for p in (service.encode("ascii"), scope.encode("utf-8"))))
+
+    def digest(key: Any, frames: Sequence[bytes]) -> bytes:
+        row = head.copy()
+        raw = key if isinstance(key, bytes) else str(key).encode("utf-8")
+        row.update(b"".join([len(p).to_bytes(8, "big") + p for p in (raw, *frames)]))
+        return row.digest()
+    return digest
 
 
 def stamp_scope(own: str) -> tuple[str, int]:
@@ -177,8 +188,8 @@ def _replies(call: ServiceCall, requests: list[Optional[list[bytes]]],
     reply's frames, or what went wrong (an exception)."""
     if keys is not None:
         scope, sequence = stamp_scope(own)
-        requests = [None if f is None or k is None
-                    else stamp(*request_stamp(call.service, k, f, scope, sequence), f)
+        digest = _row_digest(call.service, scope)
+        requests = [None if f is None or k is None else stamp(digest(k, f), sequence, f)
                     for f, k in zip(requests, keys)]
     return call_many(call, requests) if requests else []
 
