@@ -49,6 +49,12 @@ def curve_server() -> dict[str, str]:
             "curveAllow": os.path.join(keys, "allowed")}
 
 
+def extensions() -> dict[str, Any]:
+    """``MDP_BENCH_EXTENSIONS=0``: our client without the request-context extension
+    (benchmarks.extension); unset, our default."""
+    return {"extensions": False} if os.environ.get("MDP_BENCH_EXTENSIONS") == "0" else {}
+
+
 def curve_client() -> dict[str, str]:
     """Our workers' and clients' CURVE keyword arguments, likewise."""
     keys = os.environ.get("MDP_BENCH_CURVE")
@@ -266,7 +272,7 @@ def client_ours(endpoint: str, mode: str, n: int, warmup: int, size: int, window
 
     body = b"x" * size
     client = Client(endpoint, reactor, timeout=60, retries=1, maxConnections=max(window, 1),
-                    dialect=dialect, stamp=stamp, **curve_client())
+                    dialect=dialect, stamp=stamp, **curve_client(), **extensions())
     clock = time.perf_counter
 
     async def timed_sync(count: int, latencies: list[float]) -> None:

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from mdp.errors import (
         BrokerUnreachable,
         ClientClosed,
+        DeadlineExceeded,
         MDPError,
         MessageTooLarge,
         NoServerAvailable,
         ProtocolError,
         RemoteError,
         ReplyTooLarge,
+        RequestCancelled,
         RequestTimeout,
         RequestTooLarge,
         ServiceOverloaded,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
         TransportError,
         WorkerError,
     )
+    from mdp.handlers import cancelled, current_deadline
     from mdp.majordomo.broker import Broker
     from mdp.majordomo.client import Client, ReplyStream
     from mdp.majordomo.idempotence import MemoryReplyStore
@@ -47,24 +50,26 @@ _HOMES = {name: home for home, names in {
     "mdp.majordomo.broker": ("Broker",), "mdp.majordomo.client": ("Client", "ReplyStream"),
     "mdp.majordomo.idempotence": ("MemoryReplyStore",), "mdp.majordomo.worker": ("Final", "Worker"),
     "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"), "mdp.uvreactor": ("react",),
-    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "MDPError", "MessageTooLarge", "NoServerAvailable",
-                   "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestTimeout", "RequestTooLarge",
-                   "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
-                   "WorkerError"),
+    "mdp.handlers": ("cancelled", "current_deadline"),
+    "mdp.errors": ("BrokerUnreachable", "ClientClosed", "DeadlineExceeded", "MDPError", "MessageTooLarge",
+                   "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyTooLarge", "RequestCancelled",
+                   "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
+                   "StreamRestarted", "TransportError", "WorkerError"),
 }.items() for name in names}
 
 __all__ = [
     "Backoff", "BinaryStar", "Broker", "BrokerService", "BrokerUnreachable", "Client", "ClientClosed",
-    "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore", "MessageTooLarge",
-    "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream", "ReplyTooLarge", "RequestTimeout",
-    "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable", "StreamRestarted", "TransportError",
-    "Worker", "WorkerError", "WorkerService", "react"]
+    "DeadlineExceeded", "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore",
+    "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream", "ReplyTooLarge",
+    "RequestCancelled", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
+    "StreamRestarted", "TransportError", "Worker", "WorkerError", "WorkerService", "cancelled",
+    "current_deadline", "react"]
 
 
 #: submodules also loaded when first used as ``mdp.NAME``
 _MODULES = ("app", "binarystar", "blocking", "errors", "freelance", "handlers", "handlerthreads",
             "harmony", "interfaces", "machine", "majordomo", "messages", "metrics", "policy",
-            "session", "sp", "spark", "testing", "titanic", "transport", "uvreactor")
+            "session", "sp", "spark", "testing", "titanic", "tracing", "transport", "uvreactor")
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ cdef class Client(ClientDriver):
     cdef public _Loop _loop
     cdef public object _unanswered, _forks
 
-    cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart)
+    cdef _Call _submit(self, service, frames, timeout, retries, onPartial, onRestart, trace=*)
     cdef _waitFor(self, _Call call)
     cdef _perform(self, list actions)
     cdef _send(self, _Channel channel, frames)

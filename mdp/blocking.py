@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from twisted.logger import Logger
 
+from mdp import tracing
 from mdp.errors import ClientClosed, TransportError
+from mdp.handlers import current_deadline, serving_trace
 from mdp.handlerthreads import PACED_POLL, HandlerThreads, run_handler
 from mdp.majordomo import codec
 from mdp.majordomo.client import ClientDriver
@@ -22,6 +24,7 @@ from mdp.majordomo.client_machine import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
+    CancelOn,
     Complete,
     Fail,
     SendOn,
@@ -29,7 +32,7 @@ from mdp.majordomo.client_machine import (
     _Channel,
 )
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
-from mdp.majordomo.worker import STOPPED, SendToBroker, Serve, WorkerDriver
+from mdp.majordomo.worker import STOPPED, SendToBroker, Serve, WorkerDriver, given_up_body, lapsed
 from mdp.messages import Frame
 from mdp.messages import text as label
 from mdp.policy import PIRATE, Backoff, HeartbeatPolicy, Limits, whole_number
@@ -210,10 +213,11 @@ class Client(ClientDriver):
                  retries: int = DEFAULT_RETRIES, *,
                  maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
                  stamp: bool = False, limits: Limits = Limits(), context: Any = None,
-                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
+                 extensions: bool = True, curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         super().__init__(endpoint, _CLOCK, timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
+                         limits=limits, extensions=extensions, curveServerPublic=curveServerPublic,
                          curveSecret=curveSecret)
         _check_schemes(self.machine.endpoints)
         _log_to_stdlib()
@@ -233,11 +237,21 @@ class Client(ClientDriver):
                 onRestart: Optional[Callable[[], Any]] = None) -> list[bytes]:
         """Send a request and return its FINAL body frames; arguments and
         errors as :meth:`mdp.Client.request`, the errors raised."""
-        call = self._submit(service, frames, timeout, retries, onPartial, onRestart)
-        self._waitFor(call)
-        result = call.result
-        if isinstance(result, BaseException):
-            raise result
+        span = trace = None
+        if tracing.tracer() is not None:  # a span for the call, ended with it
+            span, trace = tracing.start_client_span(codec.api_service_name(service))
+        try:
+            call = self._submit(service, frames, timeout, retries, onPartial, onRestart, trace)
+            self._waitFor(call)
+            result = call.result
+            if isinstance(result, BaseException):
+                raise result
+        except BaseException as e:
+            if span is not None:
+                tracing.end_span(span, e)
+            raise
+        if span is not None:
+            tracing.end_span(span)
         return result  # type: ignore[no-any-return]
 
     def map(self, service: Union[str, bytes], requests: Iterable[Union[Frame, Sequence[Frame]]],
@@ -318,13 +332,15 @@ class Client(ClientDriver):
 
     def _submit(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
                 retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
-                onRestart: Optional[Callable[[], Any]]) -> _Call:
+                onRestart: Optional[Callable[[], Any]], trace: tracing.Trace = None) -> _Call:
         if self._forks != _forks:
             raise ClientClosed("this client belongs to the process it was made in; "
                                "make a new one after fork()")
         now = monotonic()
         machine = self.machine
-        call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
+        call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now,
+                               current_deadline())
+        call.trace = serving_trace() if trace is None else trace
         call.result = self._unanswered
         try:
             self._perform(machine.handleRequest(call, now))
@@ -363,7 +379,10 @@ class Client(ClientDriver):
     def _drop(self) -> None:
         """A call was interrupted: close every connection, and a fresh machine
         (no reply to an abandoned request reaches a later one)."""
-        self.machine = self.machine.fresh(monotonic())
+        old, self.machine = self.machine, self.machine.fresh(monotonic())
+        for action in old.handleClose(monotonic()):  # (a broker that takes CANCEL is told)
+            if type(action) is CancelOn:
+                self._sendCancel(action.channel, action.frames)
         self._unanswered = object()
         self._wakeTime = None
         loop = self._loop
@@ -410,6 +429,11 @@ class Client(ClientDriver):
                 self._stale(channel)
             pipe.send(frames)
 
+    def _sendCancel(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        if pipe is not None and pipe.up:
+            pipe.send(frames)
+
     def _open(self, channel: _Channel) -> None:
         try:
             pipe = channel.pipe = self._loop.open(channel.endpoint, self, channel,
@@ -439,11 +463,12 @@ class Worker(WorkerDriver):
                  heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
                  dialect: str = codec.RFC, limits: Limits = Limits(), context: Any = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
-                 concurrency: int = 1) -> None:
+                 concurrency: int = 1, extensions: bool = True) -> None:
         _check_schemes(endpoint_list(endpoint))  # before the handler and CURVE checks
         whole_number("concurrency", concurrency)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
-                       curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+                       curveServerPublic=curveServerPublic, curveSecret=curveSecret,
+                       extensions=extensions)
         super().__init__(endpoint, service, handler, _CLOCK, **options)
         _log_to_stdlib()
         self._context = context
@@ -452,6 +477,7 @@ class Worker(WorkerDriver):
         self._nextTick = 0.0
         self._stopping = False
         self._threads: Optional[HandlerThreads] = None
+        self.held: Any = None  # the request in hand that came with a context
         #: the worker sessions of this process, this one first
         self.sessions = [self] + [Worker(endpoint, service, handler, context=context, **options)
                                   for _ in range(concurrency - 1)]
@@ -508,6 +534,14 @@ class Worker(WorkerDriver):
             else:
                 self._act(action)
 
+    def _giveUpHeld(self, client: bytes) -> None:
+        """The broker cancelled the request in hand: answered 499 now (the handler, which
+        may poll ``mdp.cancelled()``, finds its reply void)."""
+        held = self.held
+        if held is not None and held.client == client and self.machine.isCurrent(held):
+            held.givenUp = "cancelled"
+            self._reply(held, WorkerFinal, given_up_body(held))
+
     def _reopenAfter(self, delay: float) -> None:
         self._reopenAt = monotonic() + delay
 
@@ -521,11 +555,16 @@ class Worker(WorkerDriver):
             self._pipeUp(None, monotonic())
 
     def _serve(self, job: Any, body: list[bytes]) -> None:
+        if job.context is not None:
+            if lapsed(job, monotonic()):
+                self._reply(job, WorkerFinal, given_up_body(job))
+                return
+            self.held = job  # (a CANCEL sets its givenUp, for mdp.cancelled())
         if self._threads is not None:
             self._threads.serve(self, job, body)
             return
         started = monotonic()
-        answer = run_handler(self, body, lambda frames: self._part(job, frames))
+        answer = run_handler(self, job, body, lambda frames: self._part(job, frames))
         if answer is not None:
             frames, served, raised = answer
             if raised is not None:
@@ -550,7 +589,8 @@ class Worker(WorkerDriver):
             self._turn()
         if self.machine.isCurrent(job):
             return True
-        log.info("worker for {service} stopped a stream: its request went with its broker",
+        log.info("worker for {service} stopped a stream: its request was cancelled, or went with "
+                 "its broker",
                  service=label(self.machine.service))
         return False
 

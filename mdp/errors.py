@@ -93,6 +93,15 @@ class MessageTooLarge(RemoteError):
     """A 413 error reply: a request or reply too large for some link."""
 
 
+class RequestCancelled(RemoteError):
+    """The request was given up because its caller cancelled it (499)."""
+
+
+class DeadlineExceeded(RemoteError):
+    """The request's deadline passed before it was served: in the broker's queue, or at the
+    worker (504)."""
+
+
 class StreamRestarted(MDPError):
     """The reply stream started over (its PARTIALs were an abandoned attempt); without ``onRestart``."""
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import pkgutil
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 
@@ -77,3 +78,55 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, (ImportError, SyntaxError)):
         return text
     return f"{type(error).__name__}: {text}"
+
+
+class _Serving:
+    """The request a handler serves, as :func:`current_deadline` and :func:`cancelled` read it."""
+
+    __slots__ = ("job", "clock")
+
+    def __init__(self, job: Any, clock: Callable[[], float]) -> None:
+        self.job = job  # (mdp.majordomo.worker._Job: its deadline, and why it was given up)
+        self.clock = clock
+
+
+_serving: contextvars.ContextVar[Optional[_Serving]] = contextvars.ContextVar("mdp_serving", default=None)
+
+
+def serving(job: Any, clock: Callable[[], float]) -> contextvars.Token[Optional[_Serving]]:
+    """The handler that runs from now (and what it schedules) serves *job*; undo with
+    ``_serving.reset(token)``."""
+    return _serving.set(_Serving(job, clock))
+
+
+def current_deadline() -> Optional[float]:
+    """Seconds left until the deadline of the request this handler serves (0 once it passed);
+    None outside a handler, for a request without one, or once it is answered (for what the
+    handler started that outlives it).  A request made from here waits no
+    longer than that by default (docs/mdp.md, "Deadlines, cancellation and trace context")."""
+    scope = _serving.get()
+    if scope is None or scope.job.deadline is None or scope.job.answered:
+        return None
+    return max(0.0, scope.job.deadline - scope.clock())
+
+
+def serving_trace() -> Optional[tuple[bytes, Optional[bytes]]]:
+    """The W3C trace context (traceparent, tracestate) of the request this handler serves, if
+    it came with one: what a request made from here carries on without OpenTelemetry."""
+    scope = _serving.get()
+    context = None if scope is None or scope.job.answered else scope.job.context
+    if context is None or context.traceparent is None:
+        return None
+    return context.traceparent, context.tracestate
+
+
+def cancelled() -> bool:
+    """The request this handler serves was given up (its caller cancelled it) or its
+    deadline passed: a handler that does long work polls this and stops."""
+    scope = _serving.get()
+    if scope is None:
+        return False
+    job = scope.job
+    if job.givenUp is not None:  # (answered already: 499, or 504)
+        return True
+    return not job.answered and job.deadline is not None and scope.clock() >= job.deadline

@@ -11,14 +11,16 @@ from collections import deque
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from time import monotonic
 from typing import Any, Callable, Optional
 
 from twisted.logger import Logger
 
+from mdp import handlers, tracing
 from mdp.handlers import PLAIN_REPLIES, reply_frames
 from mdp.majordomo import codec
 from mdp.majordomo.codec import WorkerFinal, WorkerPartial
-from mdp.majordomo.worker import Final
+from mdp.majordomo.worker import Final, given_up_body, lapsed
 from mdp.messages import text as label
 
 log = Logger(namespace="mdp.blocking")
@@ -29,10 +31,26 @@ PACED_POLL = 0.005
 Answer = tuple[list[bytes], bool, Optional[BaseException]]
 
 
-def run_handler(session: Any, body: list[bytes], part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
+def run_handler(session: Any, job: Any, body: list[bytes],
+                part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
     """Run *session*'s handler on *body*, each PARTIAL through *part* (False: the stream stops, and None is
     returned); else the FINAL's frames, whether the handler served it, and what to raise once it is answered
-    (an exception not an ``Exception``).  A handler's exception is logged and answered with a 500."""
+    (an exception not an ``Exception``).  A handler's exception is logged and answered with a 500.  A *job*
+    with a context runs with it in reach (``mdp.current_deadline()``, ``mdp.cancelled()``)."""
+    if job.context is None:
+        return _run(session, body, part)
+    token = handlers.serving(job, monotonic)
+    span, spanToken = tracing.start_handler_span(session.machine.service, handlers.serving_trace())
+    try:
+        return _run(session, body, part)
+    finally:
+        if span is not None:
+            tracing.detach(spanToken)
+            tracing.end_span(span)
+        handlers._serving.reset(token)
+
+
+def _run(session: Any, body: list[bytes], part: Callable[[list[bytes]], bool]) -> Optional[Answer]:
     try:
         result = session.handler(body)
         if type(result) in PLAIN_REPLIES or not isinstance(result, Generator):
@@ -78,8 +96,14 @@ class HandlerThreads:
         self.executor.submit(self._call, session, job, body)
 
     def _call(self, session: Any, job: Any, body: list[bytes]) -> None:
-        """In a handler thread: run the handler, hand each reply part back."""
-        answer = run_handler(session, body,
+        """In a handler thread: run the handler, hand each reply part back (none for a request
+        given up before it started: answered already, or 504 past its deadline)."""
+        if job.givenUp is not None:
+            return
+        if lapsed(job, monotonic()):
+            self._handBack(session, job, WorkerFinal, given_up_body(job))
+            return
+        answer = run_handler(session, job, body,
                              lambda frames: self._handBack(session, job, WorkerPartial, frames))
         if answer is not None:
             self._handBack(session, job, WorkerFinal, *answer)

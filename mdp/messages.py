@@ -16,6 +16,8 @@ STATUS_OVERLOADED = b"429"
 STATUS_TOO_LARGE = b"413"
 STATUS_FORBIDDEN = b"403"
 STATUS_BAD_REQUEST = b"400"
+STATUS_CANCELLED = b"499"
+STATUS_DEADLINE = b"504"
 
 def text(name: bytes) -> str:
     """A service name as text for logs and metric labels (``echo``, not ``b'echo'``)."""
@@ -25,7 +27,8 @@ def text(name: bytes) -> str:
 _ERRORS: dict[bytes, type[errors.RemoteError]] = {
     STATUS_WORKER_ERROR: errors.WorkerError, STATUS_UNAVAILABLE: errors.ServiceUnavailable,
     STATUS_OVERLOADED: errors.ServiceOverloaded, STATUS_TOO_LARGE: errors.MessageTooLarge,
-    STATUS_FORBIDDEN: errors.Forbidden}
+    STATUS_FORBIDDEN: errors.Forbidden, STATUS_CANCELLED: errors.RequestCancelled,
+    STATUS_DEADLINE: errors.DeadlineExceeded}
 
 Frame = Union[bytes, str]
 

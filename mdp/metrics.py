@@ -80,6 +80,9 @@ class BrokerMetrics(_Metrics):
             ("refused", "requests_refused", "Requests refused at once: queues full (overloaded, "
              "429), or this broker is the passive one of a Binary Star pair (passive).",
              ["service", "reason"]),
+            ("givenUp", "requests_given_up", "Requests given up: cancelled by their client "
+             "(cancelled), or past their deadline before a worker took them (deadline).",
+             ["service", "reason"]),
             ("denied", "access_denied", "Calls (403) and READYs (DISCONNECT) the access policy "
              "refused, by service and what was asked (call, serve).", ["service", "what"]),
             ("queueSeconds", "queue_seconds", "Time a request waited before a worker took it.",
@@ -128,6 +131,9 @@ class BrokerMetrics(_Metrics):
 
     def refuse(self, service: bytes, reason: str) -> None:
         self.refused.labels(self._labels(service), reason).inc()
+
+    def giveUp(self, service: bytes, reason: str) -> None:
+        self.givenUp.labels(self._labels(service), reason).inc()
 
     def deny(self, service: bytes, what: str) -> None:
         self.denied.labels(self._labels(service), what).inc()
@@ -210,7 +216,8 @@ class WorkerMetrics(_Metrics):
         super().__init__(registry, "mdp_worker", [
             ("requests", "requests", "Requests handed to the handler.", ["service"]),
             ("failures", "failures", "Requests answered with an error: the handler raised "
-             "(error), or its reply was over the message limits (too-large).",
+             "(error), its reply was over the message limits (too-large), its caller cancelled "
+             "it (cancelled) or its deadline passed (deadline).",
              ["service", "reason"]),
             ("handlerSeconds", "handler_seconds", "Time from a request to its FINAL.", ["service"]),
             ("reconnects", "reconnects", "Times the worker gave up a broker connection (silence "

@@ -105,3 +105,42 @@ def counted_upper(frames: list[bytes]):
         return [frame.upper() for frame in frames]
 
     return task.deferLater(reactor, 0.001, done)
+
+
+async def until_cancelled(frames: list[bytes]):
+    """Work for 30 s, unless given up first: then write the time it heard it (and the seconds
+    it was left) to the file frames[0] (frames[0] + ".started" says it began); the request
+    b"quick" is answered at once."""
+    import time
+
+    from twisted.internet import defer, reactor, task
+
+    import mdp
+
+    if frames == [b"quick"]:
+        return [b"quick"]
+    left = mdp.current_deadline()
+    open(frames[0] + b".started", "w").close()
+    try:
+        return await task.deferLater(reactor, 30.0, lambda: [b"done"])
+    except defer.CancelledError:
+        with open(frames[0], "w") as f:
+            f.write(f"{time.time()} {left}")
+        raise
+
+
+def twenty_ms_on_time(frames: list[bytes]):
+    """20 ms of "work"; each request started is noted in the file frames[0] + ".started", one
+    that starts past its deadline (or without one) in frames[0]."""
+    from twisted.internet import reactor, task
+
+    import mdp
+
+    left = mdp.current_deadline()
+    if frames[0] != b"warm":
+        with open(frames[0] + b".started", "a") as f:
+            f.write("started\n")
+        if left is None or left <= 0:
+            with open(frames[0], "a") as f:
+                f.write(f"started with {left} s left\n")
+    return task.deferLater(reactor, 0.02, lambda: [b"ok"])

@@ -4,13 +4,14 @@
     python -m tests.majortomo_peers worker ENDPOINT SERVICE
 
 The broker binds tcp://127.0.0.1:* so the OS picks the port.  The worker
-answers each request with the frames prefixed by b"mt:".
+answers each request with the frames prefixed by b"mt:" (a request b"slow": after a second).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import zmq
 
@@ -40,6 +41,8 @@ def worker(endpoint: str, service: str) -> None:
     )
     print("WORKER STARTED", flush=True)
     for request in requests:
+        if request == [b"slow"]:
+            time.sleep(1.0)
         requests.send_reply_final([b"mt:" + frame for frame in request])
 
 

@@ -174,3 +174,39 @@ def test_closing_after_an_interrupted_release_lets_every_handler_go() -> None:
     threads.paced = [(None, None, settled), (None, None, waiting)]
     threads.close()
     assert waiting.result(timeout=5) is False
+
+
+@pytest.mark.parametrize("kind", sorted(BINDS))
+@pytest_twisted.ensureDeferred
+async def test_a_handler_in_a_thread_sees_its_deadline_and_its_cancellation(kind: str) -> None:
+    """A blocking handler polls ``mdp.cancelled()``: the Twisted client's cancel reaches it
+    through the broker, and it stops; it saw its deadline."""
+    import mdp
+
+    seen: list[Any] = []
+    started = threading.Event()
+
+    def poll(frames: list[bytes]) -> Any:
+        if frames == [b"quick"]:
+            return [b"quick"]
+        seen.append(mdp.current_deadline())
+        started.set()
+        for _ in range(3000):  # (at most 30 s)
+            if mdp.cancelled():
+                seen.append("cancelled")
+                return [b"stopped"]
+            threading.Event().wait(0.01)
+        return [b"never cancelled"]
+
+    broker, worker, client, done = await running(kind, poll, 2)
+    try:
+        await client.request("gated", "quick")
+        await wait_until(lambda: client.machine.extended is not None, 20)
+        d = client.request("gated", "work")
+        await wait_until(started.is_set, 20)
+        d.cancel()
+        await wait_until(lambda: "cancelled" in seen, 20)
+        assert 19 < seen[0] <= 20  # the client's timeout, as the time left
+        assert await client.request("gated", "quick") == [b"quick"]  # its session is free again
+    finally:
+        await stopped(broker, worker, client, done)

@@ -358,7 +358,7 @@ def test_a_clients_pipes_to_a_stream_endpoint_share_one_connection() -> None:
     channels of its 8 pipes, the replies in order."""
     server = ChannelServer()
     try:
-        with Client(server.endpoint, timeout=5, retries=1, maxConnections=8) as client:
+        with Client(server.endpoint, timeout=5, retries=1, maxConnections=8, extensions=False) as client:
             bodies = [b"%d" % n for n in range(40)]
             assert list(client.map("echo", bodies, window=8)) == [[b] for b in bodies]
         assert server.connections == 1
@@ -379,7 +379,7 @@ def test_a_channel_the_broker_ends_comes_back_under_a_new_one() -> None:
 
     server = ChannelServer(end_the_first)
     try:
-        with Client(server.endpoint, timeout=5, retries=1) as client:
+        with Client(server.endpoint, timeout=5, retries=1, extensions=False) as client:
             assert client.request("echo", b"again") == [b"again"]
         (first, _), (second, _) = server.requests
         assert first != second
@@ -401,7 +401,7 @@ def test_a_reply_over_the_limits_on_one_channel_fails_that_request_alone() -> No
 
     server = ChannelServer(huge)
     try:
-        with Client(server.endpoint, timeout=5, retries=2, maxConnections=4,
+        with Client(server.endpoint, timeout=5, retries=2, maxConnections=4, extensions=False,
                     limits=Limits(maxMessageBytes=1024)) as client:
             got = list(client.map("echo", [b"a", b"huge", b"b", b"c"], window=4,
                                   returnExceptions=True))
@@ -432,7 +432,7 @@ def test_what_comes_on_a_channel_ended_here_answers_nothing() -> None:
 
     server = LateServer(slow_once)
     try:
-        with Client(server.endpoint, timeout=0.5, retries=2) as client:
+        with Client(server.endpoint, timeout=0.5, retries=2, extensions=False) as client:
             assert client.request("echo", b"slow") == [b"slow"]
             assert client.request("echo", b"next") == [b"next"]
         assert late["channel"] in server.ends
@@ -475,7 +475,7 @@ def test_a_callback_of_what_came_before_a_refused_record_reads_nothing_past_it()
     server = RefusedMidway()
     got: list[Any] = []
     try:
-        with Client(server.endpoint, timeout=3, retries=1, maxConnections=2,
+        with Client(server.endpoint, timeout=3, retries=1, maxConnections=2, extensions=False,
                     limits=Limits(maxMessageBytes=1024)) as client:
             def onPartial(body: list[bytes]) -> None:
                 got.append(body)
@@ -523,7 +523,7 @@ def test_what_comes_while_a_request_waits_behind_another_channels_is_no_reply() 
     meanwhile came before it, and is dropped; it gets its own reply."""
     server = Backlogged()
     try:
-        with Client(server.endpoint, timeout=10, retries=1, maxConnections=2,
+        with Client(server.endpoint, timeout=10, retries=1, maxConnections=2, extensions=False,
                     limits=Limits(maxMessageBytes=64 << 20)) as client:
             assert list(client.map("echo", [b"a", b"b"], window=2)) == [[b"ok:a"], [b"ok:b"]]
             got = list(client.map("echo", [b"B" * (32 << 20), b"small"], window=2))
@@ -560,7 +560,7 @@ def test_a_request_from_on_restart_during_a_loss_leaves_the_other_pipes_whole() 
     server = DropsOnce()
     got: list[Any] = []
     try:
-        with Client(server.endpoint, timeout=5, retries=1, maxConnections=3) as client:
+        with Client(server.endpoint, timeout=5, retries=1, maxConnections=3, extensions=False) as client:
             pending = client.map("s", [b"warm", b"slow"], window=2)
             assert next(pending) == [b"warm"]  # one pipe idle, one carrying slow
 
@@ -617,7 +617,7 @@ def test_an_end_waiting_in_the_socket_is_no_stale_reply() -> None:
     the request goes under a new channel."""
     server = EndsTheIdleChannel()
     try:
-        with Client(server.endpoint, timeout=5, retries=1) as client:
+        with Client(server.endpoint, timeout=5, retries=1, extensions=False) as client:
             assert client.request("echo", b"first") == [b"first"]
             server.end.set()
             assert server.sent.wait(5)
@@ -996,7 +996,7 @@ def test_a_request_inside_on_partial_gets_the_connection_the_end_already_read_fr
     first), so the first request is done and the second gets the connection
     at once; neither waits out an attempt, nothing is sent twice."""
     server = PartAndEndAtOnce(str(tmp_path / "broker.sock") if family == "unix" else None)
-    client = Client(server.endpoint, timeout=3, retries=2, maxConnections=1)
+    client = Client(server.endpoint, timeout=3, retries=2, maxConnections=1, extensions=False)
     got: list[Any] = []
     try:
         def onPartial(body: list[bytes]) -> None:
@@ -1346,7 +1346,8 @@ def test_after_an_interrupt_while_a_stream_connection_comes_up_the_next_call_sta
     server = ChannelServer()
     try:
         for n in range(1, 3000, 3):
-            with Client(server.endpoint, timeout=1.5, retries=1, maxConnections=4) as client:
+            with Client(server.endpoint, timeout=1.5, retries=1, maxConnections=4,
+                        extensions=False) as client:
                 if how == "map":
                     hit = map_interrupted_at(client, n, [b"%d-%d" % (n, i) for i in range(8)])
                 else:

@@ -203,13 +203,14 @@ def test_its_records_show_their_fields() -> None:
     assert repr(request) == (
         f"PendingRequest(client=('binding', b'peer'), service=b'echo', body=[b'x'], "
         f"dialect={codec.RFC!r}, queuedAt=1.5, size=10, state={NEW!r}, envelope=b'', "
-        "deliveries=0, partials=0, arrivedAt=1.5, assignedAt=0.0)")
+        "deliveries=0, partials=0, arrivedAt=1.5, assignedAt=0.0, context=None, "
+        "deadline=None, holder=None, givenUp=False)")
     worker = WorkerRef(("binding", b"w"), None, codec.RFC, None)  # type: ignore[arg-type]
     worker.current = request
     assert repr(worker).startswith(f"WorkerRef(key=('binding', b'w'), service=None, "
                                    f"dialect={codec.RFC!r}, liveness=None, state={IDLE!r}, "
                                    "current=PendingRequest(client=")
-    assert repr(worker).endswith(", lastEnvelope=b'')")
+    assert repr(worker).endswith(", lastEnvelope=b'', extended=False)")
 
 
 def test_a_malformed_endpoint_raises_at_once() -> None:

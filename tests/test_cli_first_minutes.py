@@ -270,8 +270,9 @@ async def test_mdp_freelance_call_asks_a_twist_freelance_server() -> None:
 async def test_mdp_freelance_call_gets_past_a_dead_server(model: str) -> None:
     """The first server listed is dead: the request is answered by the
     second; with only the dead one, exit status 1 and one line."""
-    dead = f"zmq:tcp://127.0.0.1:{await _free_port()}"
     server, endpoint = await _freelance_server("tests.handlers_for_tests:upper")
+    # (after the server's bind: the OS may otherwise give the server this very port)
+    dead = f"zmq:tcp://127.0.0.1:{await _free_port()}"
     try:
         call = Process(reactor(), [script("mdp"), "freelance-call", "--model", model,
                                    "--server", dead, "--server", endpoint, "--timeout", "0.5",

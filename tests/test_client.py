@@ -23,6 +23,7 @@ def final(router, peer: bytes, service: bytes, *body: bytes) -> None:
 async def broker_and_client(clocknet: LoopbackNet, **kwargs):
     """A scripted broker and a client of it, closed after the test."""
     router = await raw_router(clocknet)
+    kwargs.setdefault("extensions", False)  # (a scripted broker: no mmi.extensions first)
     client = Client(router.transport.endpoint, clocknet.reactor, **kwargs)
     clocknet.addCleanup(client.close)
     return router, client
@@ -268,7 +269,8 @@ async def test_reply_for_another_service_is_dropped(clocknet: LoopbackNet) -> No
 @pytest_twisted.ensureDeferred
 async def test_close_fails_pending_requests(clocknet: LoopbackNet) -> None:
     router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=1)
+    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=1,
+                    extensions=False)
     d1 = client.request("svc", b"in flight")
     d2 = client.request("svc", b"queued")
     clocknet.advance(0)
@@ -595,7 +597,8 @@ async def _b_cancelled_when_a_fails(clocknet: LoopbackNet, timeout: float) -> tu
     B (the caller gives up a batch one of which failed).  Returns at 1.1 s
     the broker and the client."""
     router = await raw_router(clocknet)
-    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2)
+    client = Client(router.transport.endpoint, clocknet.reactor, maxConnections=2,
+                    extensions=False)
     clocknet.addCleanup(client.close)
     a = client.request("svc", b"A", timeout=1.0, retries=1)
     b = client.request("svc", b"B", timeout=timeout, retries=1)

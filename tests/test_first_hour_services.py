@@ -144,7 +144,7 @@ async def test_titanic_workers_ready_is_debug_and_other_workers_stay_info() -> N
         with logged_at(("debug", "info")) as events:
             server.start()
             worker.start()
-            await net.until(lambda: len(router.received) == 7)
+            await net.until(lambda: sum(f[:2] == [b"MDPW02", b"\x01"] for _, _, f in router.received) == 7)
     finally:
         await net.wait(server.stop())
         await net.wait(worker.stop())

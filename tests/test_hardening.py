@@ -58,7 +58,8 @@ async def test_request_issued_while_the_broker_is_down_goes_out_once(net: Net) -
     # a request lost with a dead pipe is retried after its timeout
     router = await raw_router(net)
     endpoint = router.transport.endpoint
-    client = make_client(net, endpoint, maxConnections=1, timeout=60, retries=1)
+    client = make_client(net, endpoint, maxConnections=1, timeout=60, retries=1,
+                         extensions=False)
     first = client.request("svc", b"one")
     await net.until(lambda: len(requests(router)) == 1)
     final(router, requests(router)[0][1], b"svc", b"re:one")
@@ -85,7 +86,7 @@ async def test_request_issued_while_the_broker_is_down_goes_out_once(net: Net) -
 async def test_request_in_flight_when_the_connection_breaks_is_sent_again_once(net: Net) -> None:
     router = await raw_router(net)
     endpoint = router.transport.endpoint
-    client = make_client(net, endpoint, timeout=60, retries=1)
+    client = make_client(net, endpoint, timeout=60, retries=1, extensions=False)
     reply = client.request("svc", b"lost")
     await net.until(lambda: len(requests(router)) == 1)
     await net.wait(router.transport.close())
@@ -208,7 +209,7 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
     """Cancelling never raises, every Deferred fires, and no socket is opened
     for it (this used to open one per cancel, up to "Too many open files")."""
     router = await raw_router(net)
-    client = make_client(net, router.transport.endpoint, timeout=60, retries=1)
+    client = make_client(net, router.transport.endpoint, timeout=60, retries=1, extensions=False)
     ds = [client.request("svc", str(n)) for n in range(10_000)]
     await net.until(lambda: len(requests(router)) == 64)
     outcomes: list[Any] = []
@@ -233,7 +234,8 @@ async def test_cancelling_ten_thousand_zmq_requests(net: Net) -> None:
 async def test_request_cancelled_before_it_went_out_frees_its_connection_at_once(
         clocknet: LoopbackNet) -> None:
     endpoint = clocknet.bindEndpoint()  # nothing listens yet: the pipe is not up
-    client = make_client(clocknet, endpoint, maxConnections=1, timeout=60, retries=1)
+    client = make_client(clocknet, endpoint, maxConnections=1, timeout=60, retries=1,
+                         extensions=False)
     never = client.request("svc", b"cancelled")
     clocknet.advance(0)
     never.cancel()

@@ -144,3 +144,32 @@ async def test_majortomo_broker_serves_a_concurrent_worker_as_many_workers() -> 
         if worker is not None:
             await worker.stop()
         await mt_broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_our_extended_client_and_broker_with_a_majortomo_worker() -> None:
+    """Our client and broker take deadlines and cancellation; a majortomo worker, which
+    does not, never sees a context frame, and a request cancelled while it serves it is
+    answered at once by the broker (the worker's late reply is dropped)."""
+    broker, endpoint = await our_broker()
+    address = endpoint[len("zmq:"):]
+    mt_worker = Process(reactor(), python(PEERS, "worker", address, "theirs"))
+    client = Client(endpoint, reactor(), timeout=15, retries=1)
+    try:
+        await bounded(mt_worker.waitFor("WORKER STARTED"), 30)
+        assert await bounded(client.request("theirs", b"a"), 30) == [b"mt:a"]
+        await wait_until(lambda: client.machine.extended is not None, 30)
+        assert client.machine.extended is True
+        assert await bounded(client.request("theirs", b"b"), 30) == [b"mt:b"]  # no context frame
+        slow = client.request("theirs", b"slow")
+        await wait_until(lambda: any(w.current is not None for w in broker.workers.values()), 30)
+        (held,) = [c for c in client.machine._channels if c.call is not None]
+        slow.cancel()
+        await wait_until(lambda: held.call is None, 30)  # answered 499 ...
+        assert any(w.current is not None for w in broker.workers.values())  # ... by the broker
+        slow.addErrback(lambda f: f.trap(defer.CancelledError))
+        assert await bounded(client.request("theirs", b"c"), 30) == [b"mt:c"]
+    finally:
+        await client.close()
+        await mt_worker.stop()
+        await broker.close()

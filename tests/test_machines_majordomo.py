@@ -200,7 +200,8 @@ def test_broker_refuses_ready_beyond_its_worker_limit() -> None:
 def test_worker_sends_ready_when_its_pipe_is_up_and_answers_a_request() -> None:
     script = Script()
     pipe = script.endpoint("broker") + "#1"
-    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB)
+    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB,
+                    extensions=False)
     worker.start()
     assert script.actions == [Open(pipe)]
     assert worker.state is WorkerState.CONNECTING
@@ -221,7 +222,8 @@ def test_worker_streams_partials_then_a_final() -> None:
 
     script = Script(autoConnect=True)
     pipe = script.endpoint("broker") + "#1"
-    Worker(script.endpoint("broker"), "echo", count, reactor=script.clock, heartbeat=HB).start()
+    Worker(script.endpoint("broker"), "echo", count, reactor=script.clock, heartbeat=HB,
+           extensions=False).start()
     script.feed()
     assert script.feed(Receive(pipe, [W, codec.W_REQUEST, b"c", b"", b"go"])) == [
         Send(pipe, [W, codec.W_PARTIAL, b"c", b"", b"1"]),
@@ -232,7 +234,7 @@ def test_worker_streams_partials_then_a_final() -> None:
 def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> None:
     script = Script(autoConnect=True)
     first, second = script.endpoint("b1"), script.endpoint("b2")
-    worker = Worker([first, second], "echo", upper, reactor=script.clock, heartbeat=HB,
+    worker = Worker([first, second], "echo", upper, reactor=script.clock, heartbeat=HB, extensions=False,
                     backoff=Backoff(initial=1.0, maximum=32.0))
     worker.start()
     assert script.feed() == [Send(first + "#1", READY)]
@@ -254,7 +256,7 @@ def test_worker_fails_over_to_the_next_broker_after_silence_with_backoff() -> No
 def test_worker_registers_again_after_disconnect_backing_off_while_refused() -> None:
     script = Script(autoConnect=True)
     broker = script.endpoint("broker")
-    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB,
+    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB, extensions=False,
                     backoff=Backoff(initial=1.0, maximum=32.0))
     worker.start()
     script.feed()
@@ -278,7 +280,8 @@ def test_worker_registers_again_after_disconnect_backing_off_while_refused() -> 
 def test_worker_stop_says_disconnect_and_closes() -> None:
     script = Script(autoConnect=True)
     pipe = script.endpoint("broker") + "#1"
-    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB)
+    worker = Worker(script.endpoint("broker"), "echo", upper, reactor=script.clock, heartbeat=HB,
+                    extensions=False)
     worker.start()
     script.feed()
     mark = len(script.actions)
@@ -297,7 +300,8 @@ def request(service: bytes, *body: bytes) -> list[bytes]:
 def test_client_sends_a_request_once_its_pipe_is_up_and_fires_on_the_reply() -> None:
     script = Script()
     pipe = script.endpoint("broker") + "#1"
-    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=1.0, retries=3)
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=1.0, retries=3,
+                    extensions=False)
     result = outcome(client.request("echo", b"hi"))
     assert script.actions == [Open(pipe)]  # nothing is handed to a pipe that is down
     assert script.feed(Connected(pipe)) == [Send(pipe, request(b"echo", b"hi"))]
@@ -310,7 +314,8 @@ def test_client_sends_a_request_once_its_pipe_is_up_and_fires_on_the_reply() -> 
 def test_client_retries_on_a_fresh_pipe_then_times_out() -> None:
     script = Script(autoConnect=True)
     broker = script.endpoint("broker")
-    client = Client(broker, reactor=script.clock, timeout=1.0, retries=3)
+    client = Client(broker, reactor=script.clock, timeout=1.0, retries=3,
+                    extensions=False)
     result = outcome(client.request("echo", b"hi"))
     assert script.feed() == [Send(broker + "#1", request(b"echo", b"hi"))]
     # each attempt has 1 s: its connection is thrown away, the request resent on a new one
@@ -332,7 +337,8 @@ def test_client_retries_on_a_fresh_pipe_then_times_out() -> None:
 def test_client_rotates_endpoints_on_timeout() -> None:
     script = Script(autoConnect=True)
     first, second = script.endpoint("b1"), script.endpoint("b2")
-    client = Client([first, second], reactor=script.clock, timeout=1.0, retries=2)
+    client = Client([first, second], reactor=script.clock, timeout=1.0, retries=2,
+                    extensions=False)
     outcome(client.request("echo", b"hi"))
     assert script.feed() == [Send(first + "#1", request(b"echo", b"hi"))]
     assert script.feed(Elapse(1.0)) == [
@@ -343,7 +349,8 @@ def test_client_rotates_endpoints_on_timeout() -> None:
 def test_client_resends_when_a_broken_pipe_comes_back() -> None:
     script = Script(autoConnect=True)
     pipe = script.endpoint("broker") + "#1"
-    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1)
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1,
+                    extensions=False)
     result = outcome(client.request("echo", b"hi"))
     assert script.feed() == [Send(pipe, request(b"echo", b"hi"))]
     # the broker forgot the old connection and what it carried: sent again when back, once
@@ -356,7 +363,8 @@ def test_client_resends_when_a_broken_pipe_comes_back() -> None:
 def test_client_tells_a_streaming_request_that_its_reply_starts_over() -> None:
     script = Script(autoConnect=True)
     pipe = script.endpoint("broker") + "#1"
-    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1)
+    client = Client(script.endpoint("broker"), reactor=script.clock, timeout=5.0, retries=1,
+                    extensions=False)
     seen: list[Any] = []
     result = outcome(client.request("echo", b"hi", onPartial=seen.append,
                                     onRestart=lambda: seen.append("restart")))
@@ -383,7 +391,7 @@ def test_client_timeout_is_per_attempt(timeout: float, retries: int) -> None:
     """A request fails after timeout × retries, never sooner, never later."""
     script = Script(autoConnect=True)
     client = Client(script.endpoint("broker"), reactor=script.clock, timeout=timeout,
-                    retries=retries)
+                    retries=retries, extensions=False)
     result = outcome(client.request("echo", b"hi"))
     script.feed(Elapse(timeout * retries - 0.01))
     assert result == []
@@ -442,7 +450,8 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
         WorkerMachine,
     )
 
-    machine = WorkerMachine(["a", "b"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0))
+    machine = WorkerMachine(["a", "b"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0),
+                            extensions=False)
     assert machine.handleStart(now=0.0) == [OpenPipe("a")]
     assert machine.handlePipeUp(now=0.1) == [SendToBroker([*READY])]
     [serve] = machine.handleMessage([W, codec.W_REQUEST, b"C1", b"", b"hi"], now=0.2)
@@ -465,7 +474,8 @@ def test_worker_machine_is_a_function_of_events_and_their_times() -> None:
 def test_a_worker_takes_only_worker_messages_as_word_from_its_broker() -> None:
     from mdp.majordomo.worker import Dropped, OpenPipe, SendToBroker, WorkerMachine
 
-    machine = WorkerMachine(["a"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0))
+    machine = WorkerMachine(["a"], b"echo", heartbeat=HB, backoff=Backoff(1.0, 8.0),
+                            extensions=False)
     assert machine.handleStart(now=0.0) == [OpenPipe("a")]
     assert machine.handlePipeUp(now=0.1) == [SendToBroker([*READY])]
     client_final = [codec.CLIENT_HEADER, codec.C_FINAL, b"echo", b"hi"]
@@ -487,7 +497,8 @@ def test_client_machine_is_a_function_of_events_and_their_times() -> None:
         _Call,
     )
 
-    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
 
     def call(now: float, timeout: float = 2.0, retries: int = 2) -> _Call:
@@ -529,7 +540,8 @@ def test_client_machine_asks_for_its_next_wake_up_before_a_callback_runs() -> No
     from mdp.majordomo.client_machine import ClientMachine, Restarted, WakeAt, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
-    machine = ClientMachine(["a"], maxConnections=2, dialect=codec.RFC)
+    machine = ClientMachine(["a"], maxConnections=2, dialect=codec.RFC,
+                            extensions=False)
     streamed = _Call(b"echo", list(request), 10.0, 2, None, lambda: None, 0.0)
     other = _Call(b"echo", list(request), 10.0, 1, None, None, 5.0)
     channel = machine.handleRequest(streamed, now=0.0)[1].channel
@@ -553,7 +565,8 @@ def test_client_machine_gives_a_cancelled_requests_connection_to_one_waiting() -
     def call(now: float) -> _Call:
         return _Call(b"echo", list(request), 2.0, 1, None, None, now)
 
-    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     first, second = call(0.0), call(0.3)
     channel = machine.handleRequest(first, now=0.0)[1].channel
     machine.handlePipeUp(channel, now=0.1)
@@ -575,7 +588,8 @@ def test_client_machine_sends_no_request_whose_attempt_ran_out_while_it_waited()
     from mdp.majordomo.client_machine import ClientMachine, CloseChannel, Fail, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
-    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     first, second = (_Call(b"echo", list(request), 2.0, 1, None, None, 0.0)
                      for _ in range(2))
     channel = machine.handleRequest(first, now=0.0)[1].channel
@@ -595,7 +609,8 @@ def test_client_machine_moves_attempts_that_end_together_to_the_next_broker() ->
     from mdp.majordomo.client_machine import ClientMachine, OpenChannel, _Call
 
     request = [C, codec.C_REQUEST, b"echo", b"hi"]
-    machine = ClientMachine(["a", "b"], maxConnections=2, dialect=codec.RFC)
+    machine = ClientMachine(["a", "b"], maxConnections=2, dialect=codec.RFC,
+                            extensions=False)
     calls = [_Call(b"echo", list(request), 2.0, 2, None, None, 0.0)
              for _ in range(2)]
     for call in calls:
@@ -622,7 +637,8 @@ def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reache
     def call(now: float) -> _Call:
         return _Call(b"echo", list(request), 2.0, 3, None, None, now)
 
-    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     first, second = call(0.0), call(0.0)
     channel = machine.handleRequest(first, now=0.0)[1].channel
     machine.handleRequest(second, now=0.0)
@@ -639,7 +655,8 @@ def test_client_machine_leaves_an_unreachable_broker_at_once_until_one_is_reache
     assert str(error) == "cannot reach any broker at a: connection refused; b: connection refused"
 
     # reached once, a refusal is left to the transport's retries
-    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     third = call(0.0)
     channel = machine.handleRequest(third, now=0.0)[1].channel
     machine.handlePipeUp(channel, now=0.1)
@@ -717,7 +734,8 @@ def test_client_machine_names_a_broker_unreachable_only_when_every_one_refused()
 
     from mdp.majordomo.client_machine import ClientMachine, CloseChannel, OpenChannel, _Call
 
-    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC)
+    machine = ClientMachine(["a", "b"], maxConnections=1, dialect=codec.RFC,
+                            extensions=False)
     call = _Call(b"echo", [C, codec.C_REQUEST, b"echo", b"hi"], 2.0, 3, None, None, 0.0)
     channel = machine.handleRequest(call, now=0.0)[1].channel
     assert machine.handleConnectFailed(channel, TimeoutError(), now=1.0) == []
@@ -771,7 +789,7 @@ def test_client_machine_common_paths_act_as_the_general_ones() -> None:
     )
 
     def run(kind: type, events: list[tuple[str, int]]) -> list[Any]:
-        machine = kind(["a", "b"], maxConnections=2, dialect=codec.RFC)
+        machine = kind(["a", "b"], maxConnections=2, dialect=codec.RFC, extensions=False)
         channels: list[_Channel] = []
         calls: list[_Call] = []
         now = 0.0
@@ -853,7 +871,8 @@ def _reopened_after(backoff: Backoff) -> float:
     opening a new pipe to it, with *backoff*, in steps of 10 ms."""
     script = Script(autoConnect=True)
     broker = script.endpoint("broker")
-    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB, backoff=backoff)
+    worker = Worker(broker, "echo", upper, reactor=script.clock, heartbeat=HB, backoff=backoff,
+                    extensions=False)
     worker.start()
     script.feed()
     assert Close(broker + "#1") in script.feed(Elapse(3.5))

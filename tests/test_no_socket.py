@@ -152,7 +152,7 @@ async def test_a_worker_that_cannot_open_its_pipe_says_so_and_tries_again(
     refused = refuse_connections(monkeypatch, mdp.transport)
     worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor,
                     heartbeat=HeartbeatPolicy(interval=1.0, liveness=3),
-                    backoff=Backoff(initial=1, maximum=2))
+                    backoff=Backoff(initial=1, maximum=2), extensions=False)
     with failures_logged() as events:
         worker.start()
         clocknet.addCleanup(worker.stop)
@@ -235,7 +235,7 @@ def test_a_blocking_worker_that_cannot_open_its_pipe_says_so_and_tries_again() -
     endpoint = f"zmq:tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     context.failing = 1
     worker = BlockingWorker(endpoint, "svc", lambda f: f, heartbeat=HeartbeatPolicy(0.1, 3),
-                            backoff=Backoff(0.05, 0.1), context=context)
+                            backoff=Backoff(0.05, 0.1), context=context, extensions=False)
     done = threading.Event()
     crashed: list[BaseException] = []
 

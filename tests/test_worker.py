@@ -20,6 +20,7 @@ def readies(router) -> list[tuple[float, bytes]]:
 async def broker_and_worker(clocknet: LoopbackNet, handler=lambda f: f, **kwargs):
     """A scripted broker and a started worker of service "svc", stopped after the test."""
     router = await raw_router(clocknet)
+    kwargs.setdefault("extensions", False)  # (a scripted broker: READY first)
     worker = Worker(router.transport.endpoint, "svc", handler, clocknet.reactor, **kwargs)
     worker.start()
     clocknet.addCleanup(worker.stop)
@@ -81,7 +82,8 @@ async def test_reply_from_before_a_reconnection_is_dropped(clocknet: LoopbackNet
         pending.append(d)
         return d
 
-    worker = Worker(router.transport.endpoint, "svc", slow, clocknet.reactor, heartbeat=HB)
+    worker = Worker(router.transport.endpoint, "svc", slow, clocknet.reactor, heartbeat=HB,
+                    extensions=False)
     worker.start()
     clocknet.addCleanup(worker.stop)
     clocknet.advance(0)
@@ -122,7 +124,8 @@ async def test_a_reply_that_cannot_be_encoded_is_a_500_and_the_worker_goes_on(
 @pytest_twisted.ensureDeferred
 async def test_stop_sends_disconnect(clocknet: LoopbackNet) -> None:
     router = await raw_router(clocknet)
-    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker = Worker(router.transport.endpoint, "svc", lambda f: f, clocknet.reactor, heartbeat=HB,
+                    extensions=False)
     worker.start()
     clocknet.advance(0)
     await clocknet.wait(worker.stop())
@@ -146,7 +149,7 @@ async def test_fails_over_to_the_next_broker(clocknet: LoopbackNet) -> None:
     silent = await raw_router(clocknet)
     alive = await raw_router(clocknet)
     endpoints = [silent.transport.endpoint, alive.transport.endpoint]
-    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB, extensions=False)
     worker.start()
     clocknet.addCleanup(worker.stop)
     await clocknet.until(lambda: bool(readies(alive)))
@@ -158,7 +161,7 @@ async def test_fails_over_to_the_next_broker(clocknet: LoopbackNet) -> None:
 async def test_unreachable_broker_counts_as_dead(clocknet: LoopbackNet) -> None:
     alive = await raw_router(clocknet)
     endpoints = ["loopback:nobody-listens-here", alive.transport.endpoint]
-    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB)
+    worker = Worker(endpoints, "svc", lambda f: f, clocknet.reactor, heartbeat=HB, extensions=False)
     worker.start()
     clocknet.addCleanup(worker.stop)
     await clocknet.until(lambda: bool(readies(alive)), timeout=10)

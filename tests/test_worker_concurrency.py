@@ -105,7 +105,8 @@ async def test_a_slow_request_does_not_hold_up_the_others(clocknet: LoopbackNet)
 @pytest_twisted.ensureDeferred
 async def test_each_session_is_an_ordinary_worker_to_the_broker(clocknet: LoopbackNet) -> None:
     router = await raw_router(clocknet)
-    worker = started(clocknet, router.transport.endpoint, lambda f: f, concurrency=3)
+    worker = started(clocknet, router.transport.endpoint, lambda f: f, concurrency=3,
+                     extensions=False)
     clocknet.advance(0.1)
     readies = [(peer, f) for _, peer, f in router.received if f[1] == codec.W_READY]
     assert [f for _, f in readies] == [[codec.WORKER_HEADER, codec.W_READY, b"svc"]] * 3

@@ -14,6 +14,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import task
 
+from mdp.majordomo import extension
 from mdp.policy import Limits
 from mdp.transport.dealercore import DealerCore
 from mdp.transport.framing import RecordDecoder, encode_record
@@ -128,12 +129,14 @@ class FakeBroker:
             self.decoder = RecordDecoder()
 
     def ready(self) -> Optional[list[bytes]]:
-        """The worker's first message, once it came (never blocks)."""
+        """The worker's first message past its question for the broker's extensions (left
+        unanswered, as an RFC 18 broker may), once it came (never blocks)."""
         if self.kind == "zmq":
-            if not self.sock.poll(0):
-                return None
-            self.peer, *frames = self.sock.recv_multipart()
-            return frames
+            while self.sock.poll(0):
+                self.peer, *frames = self.sock.recv_multipart()
+                if frames != extension.ASK_EXTENSIONS:
+                    return frames
+            return None
         if self.sock is None:
             try:
                 self.sock, _ = self.listener.accept()
@@ -141,6 +144,7 @@ class FakeBroker:
                 return None
         messages = self.decoder.feed(self.sock.recv(65536)) if select.select(
             [self.sock], [], [], 0)[0] else []
+        messages = [m for m in messages if m != extension.ASK_EXTENSIONS]
         return messages[0] if messages else None
 
     def send(self, *frames: bytes) -> None:

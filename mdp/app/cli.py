@@ -400,8 +400,9 @@ def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
+    # (MMI only: the extensions would not be used)
     client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], **tap.curve_client_of(options))
+                    retries=options["retries"], extensions=False, **tap.curve_client_of(options))
     watch = options["watch"]
     try:
         while True:
@@ -469,8 +470,9 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
+    # (one request: asking for the extensions would come after it)
     client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
-                    dialect=options["dialect"], **tap.curve_client_of(options))
+                    dialect=options["dialect"], extensions=False, **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         if not emit(*map(show, frames)) and request is not None:

@@ -13,7 +13,7 @@ from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from zope.interface import classImplements
 
-from mdp import transport
+from mdp import tracing, transport
 from mdp.interfaces import IBroker, IRouterReceiver, IRouterTransport
 from mdp.majordomo import codec
 from mdp.majordomo.broker_machine import (  # noqa: F401  (the defaults: read by mdp.app.tap)
@@ -37,6 +37,7 @@ from mdp.majordomo.broker_machine import (  # noqa: F401  (the defaults: read by
     Replied,
     Requested,
     Send,
+    Traced,
     WakeAt,
     WorkerChanged,
 )
@@ -60,7 +61,11 @@ _INVALID = frozenset({"malformed", "wrong-endpoint", "unexpected", "not-serving"
 _REPLIES_DROPPED = frozenset({"stale", "void", "orphaned"})
 #: Refused kinds of a READY; and those not logged (the client hears, or times out)
 _READY_REFUSED = frozenset({"serve-forbidden", "ready"})
-_QUIET_REFUSALS = frozenset({"passive", "expired", "unknown"})
+_QUIET_REFUSALS = frozenset({"passive", "expired", "unknown", "cancelled", "deadline"})
+#: Refused kinds the metrics count: (BrokerMetrics method, label)
+_COUNTED_REFUSALS = {"forbidden": ("deny", "call"), "serve-forbidden": ("deny", "serve"),
+                     "overloaded": ("refuse", "overloaded"), "passive": ("refuse", "passive"),
+                     "cancelled": ("giveUp", "cancelled"), "deadline": ("giveUp", "deadline")}
 _WORKER_CHANGES = {
     "ready": "worker {peer} ready for {service}",
     "disconnected": "worker {peer} for {service} disconnected",
@@ -127,7 +132,8 @@ class Broker:
         #: CURVE key pair and allow-list for zmq: endpoints (docs/security.md)
         self.curve = curve_server(curveSecret, curveAllow)
         self.machine = BrokerMachine(now=self.reactor.seconds(),
-                                     observed=metrics is not None or logRequests, **options)
+                                     observed=metrics is not None or logRequests,
+                                     traced=tracing.available(), **options)
         self.metrics = metrics
         self.logRequests = logRequests
         self.invalid = 0
@@ -139,7 +145,9 @@ class Broker:
         self._reporters: dict[type, Callable[[Any], None]] = {
             Dropped: self._dropped, Refused: self._refused, WorkerChanged: self._workerChanged,
             Replied: self._replied, MarkUseful: self._markUseful,
-            Requested: lambda requested: None, Assigned: lambda assigned: None}
+            Requested: lambda requested: None, Assigned: lambda assigned: None,
+            Traced: lambda traced: tracing.record_queue_span(
+                traced.service, traced.trace, traced.arrivedAt, traced.assignedAt)}
         if metrics is not None:
             self._reporters[Requested] = lambda requested: metrics.request(requested.service)
             self._reporters[Assigned] = lambda assigned: metrics.assigned(assigned.service, assigned.waited)
@@ -217,7 +225,7 @@ class Broker:
             self.throttle.warn(log, kind, "dropped invalid message from {peer}: {reason}",
                                peer=dropped.peer.hex(), reason=dropped.reason)
         else:
-            self.throttle.info(log, kind, "dropped a message from worker {peer}: {reason}",
+            self.throttle.info(log, kind, "dropped a message from {peer}: {reason}",
                                peer=dropped.peer.hex(), reason=dropped.reason)
         if metrics is not None:
             if kind in _REPLIES_DROPPED:
@@ -228,10 +236,9 @@ class Broker:
     def _refused(self, refused: Refused) -> None:
         kind, service, metrics = refused.kind, refused.service, self.metrics
         if metrics is not None:
-            if kind == "forbidden" or kind == "serve-forbidden":
-                metrics.deny(service, "call" if kind == "forbidden" else "serve")
-            elif kind == "overloaded" or kind == "passive":
-                metrics.refuse(service, kind)
+            counted = _COUNTED_REFUSALS.get(kind)
+            if counted is not None:
+                getattr(metrics, counted[0])(service, counted[1])
             if refused.code is not None:
                 metrics.replied(service, None, refused.code)
         if kind not in _QUIET_REFUSALS:

@@ -11,10 +11,12 @@ cdef class BrokerMachine(Machine):
     cdef public object heartbeat, requestExpiry, unknownServiceExpiry, serviceLinger
     cdef public object maxQueue, maxServiceQueue, maxQueueBytes, maxServiceQueueBytes
     cdef public object maxWorkers, maxServiceWorkers, maxDeliveries, limits, admission, access
-    cdef public object observed, _assignments, _abandoned, _unknown, _activeSince, _passive
+    cdef public object observed, traced, _assignments, _abandoned, _unknown, _activeSince, _passive
     cdef public object _takenBack, _gone
     cdef public dict _usefulClients, _usefulBefore
     cdef public object _sweepAt
+    cdef public list _deadlines
+    cdef public dict _latest, _declared
     cdef public QueueLedger _ledger
     cdef public dict services, workers
 

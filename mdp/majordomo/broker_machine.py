@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional, Sequence
 
 from mdp.errors import ProtocolError
 from mdp.interfaces import IAccess, IAdmission
 from mdp.machine import Machine, action_type
-from mdp.majordomo import codec, mmi
+from mdp.majordomo import codec, extension, mmi
 from mdp.majordomo.broker_records import (
     ANSWERED,
     ASSIGNED,
@@ -37,12 +38,14 @@ from mdp.majordomo.broker_records import (
 from mdp.majordomo.codec import (
     RFC,
     W_REQUEST,
+    ClientCancel,
     ClientFinal,
     ClientPartial,
     ClientRequest,
     Disconnect,
     Heartbeat,
     Ready,
+    WorkerCancel,
     WorkerFinal,
     WorkerPartial,
     encode_client_reply,
@@ -71,6 +74,9 @@ DEFAULT_UNKNOWN_SERVICE_EXPIRY = 5.0
 _REQUEST_OVERHEAD = len(codec.WORKER_HEADER) + 1 + 8
 _REQUEST_FRAMES = 5
 _MMI_PREFIX = mmi.PREFIX
+#: asked of a broker whatever its Binary Star state, and no client's vote for it
+_NO_VOTE = frozenset({mmi.BINARYSTAR, extension.MMI_EXTENSIONS})
+_CLIENT_COMMANDS = frozenset({ClientRequest, ClientPartial, ClientFinal, ClientCancel})
 
 #: workers remembered as told DISCONNECT
 MAX_GONE = 10_000
@@ -83,6 +89,14 @@ MAX_USEFUL_CLIENTS = 100_000
 #: seconds a client stays useful after its last request left the broker (at
 #: most twice that and a tick): an idle connection may make room again
 USEFUL_GRACE = 10.0
+
+
+def _remember(table: dict[Any, Any], key: Any, value: Any) -> None:
+    """*table*[*key*] = *value*, newest last; past ``MAX_USEFUL_CLIENTS`` keys the oldest goes."""
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > MAX_USEFUL_CLIENTS:
+        del table[next(iter(table))]
 
 
 def _who(identity: Optional[str]) -> str:
@@ -112,6 +126,8 @@ Assigned = _action("Assigned", "service", "waited")
 #: while ``observed``: a FINAL went to *client*, *code* its error status or None;
 #: *served* seconds by *worker* after *queued* seconds (None, None: the broker's own)
 Replied = _action("Replied", "service", "code", "client", "worker", "served", "queued")
+#: while ``traced``: a request with a W3C *trace* context waited from *arrivedAt* to *assignedAt*
+Traced = _action("Traced", "service", "trace", "arrivedAt", "assignedAt")
 Action = Any  # one of the classes above
 
 
@@ -128,7 +144,8 @@ class BrokerMachine(Machine):
                  maxDeliveries: int = DEFAULT_MAX_DELIVERIES,
                  unknownServiceExpiry: float = DEFAULT_UNKNOWN_SERVICE_EXPIRY,
                  limits: Limits = Limits(), admission: Optional[IAdmission] = None,
-                 access: Optional[IAccess] = None, observed: bool = False, now: float = 0.0) -> None:
+                 access: Optional[IAccess] = None, observed: bool = False, traced: bool = False,
+                 now: float = 0.0) -> None:
         if not unknownServiceExpiry > 0:
             raise ValueError(f"unknownServiceExpiry must be positive, got {unknownServiceExpiry}")
         super().__init__(now)
@@ -148,6 +165,7 @@ class BrokerMachine(Machine):
         #: who may call and serve what (None: anyone, anything)
         self.access = access
         self.observed = observed
+        self.traced = traced  # report each traced request's queue wait (Traced)
         self._assignments = itertools.count(1)
         self.reset()
 
@@ -173,6 +191,12 @@ class BrokerMachine(Machine):
         self._usefulClients: dict[PeerKey, None] = {}
         self._usefulBefore: dict[PeerKey, None] = {}
         self._sweepAt = self.now + USEFUL_GRACE
+        #: (deadline, id, request) of queued requests with a deadline; stale entries are skipped
+        self._deadlines: list[tuple[float, int, PendingRequest]] = []
+        #: each client's latest request that came with a context: what its CANCEL is for
+        self._latest: dict[PeerKey, PendingRequest] = {}
+        #: peers that asked ``mmi.extensions``: a worker among them takes CANCEL and contexts
+        self._declared: dict[PeerKey, bool] = {}
         self._outbox = []
 
     @property
@@ -193,11 +217,13 @@ class BrokerMachine(Machine):
         except ProtocolError as e:
             self._invalid(key, "malformed", str(e))
             return self._drain()
-        if kind is ClientRequest or kind is ClientPartial or kind is ClientFinal:
-            if not clients:
+        if kind in _CLIENT_COMMANDS:
+            if not clients and address != extension.MMI_EXTENSIONS:  # (a worker asks it too)
                 self._invalid(key, "wrong-endpoint", "client command on a worker-only endpoint")
             elif kind is ClientRequest:
                 self._request(key, address, body, dialect, identity)
+            elif kind is ClientCancel:
+                self._cancel(key, address)
             else:
                 self._invalid(key, "unexpected", f"client sent {kind.__name__}: only REQUEST is valid")
         elif not workers:
@@ -219,6 +245,12 @@ class BrokerMachine(Machine):
         for service in list(self._ledger.byClient.get(key, ())):
             service.dropClient(key)
             self._forgetIfEmpty(service)
+        self._declared.pop(key, None)
+        request = self._latest.pop(key, None)
+        if request is not None and request.state is ASSIGNED:
+            holder = self.workers.get(request.holder)
+            if holder is not None and holder.extended:
+                self._tellCancelled(holder, request, "its client is gone")
         self._usefulClients.pop(key, None)
         self._usefulBefore.pop(key, None)
         return self._drain()
@@ -234,6 +266,7 @@ class BrokerMachine(Machine):
         """The wake-up asked for with :class:`WakeAt`."""
         self.now = now
         self._giveUpUnknown(now)
+        self._lapseDeadlines(now)
         return self._drain()
 
     # --- the read-only view (what MMI and operators read) --------------------
@@ -306,6 +339,18 @@ class BrokerMachine(Machine):
             self._emit(Requested(name))
         if not self._admitted(request, identity):
             return
+        extra = 0  # what its context adds to the worker's REQUEST, at most
+        if extension.has_context(body):
+            extra = len(body[0]) + 16
+            content -= len(body[0])
+            try:
+                self._withContext(request, content)
+            except ProtocolError as e:
+                self._refuse(request, codec.STATUS_BAD_REQUEST, "bad-context", f"request context: {e}")
+                return
+            body = request.body
+        if name == extension.MMI_EXTENSIONS:  # (a worker asks before its READY: it takes them)
+            _remember(self._declared, key, True)
         if name.startswith(_MMI_PREFIX):  # (about the services *identity* may call)
             visible = None if self.access is None else functools.partial(self.access.mayCall, identity)
             request.state = DONE
@@ -313,8 +358,8 @@ class BrokerMachine(Machine):
             if self.observed:
                 self._emit(Replied(name, None, key[1], None, None, 0.0))
             return
-        tooLarge = self.limits.oversize(content + len(key[1]) + _REQUEST_OVERHEAD,
-                                        len(body) + _REQUEST_FRAMES)
+        tooLarge = self.limits.oversize(content + extra + len(key[1]) + _REQUEST_OVERHEAD,
+                                        len(body) + _REQUEST_FRAMES + (extra > 0))
         if tooLarge is not None:
             self._refuse(request, codec.STATUS_TOO_LARGE, "too-large",
                          f"request too large for a worker: {tooLarge}")
@@ -324,13 +369,88 @@ class BrokerMachine(Machine):
             self._assign(service.idle.popitem(last=False)[1], request)
         elif self._queueHasRoom(service, request):
             self._enqueue(service, request)
+        if request.context is not None and request.state is not DONE:  # (what a CANCEL is for)
+            _remember(self._latest, key, request)
+
+    def _withContext(self, request: PendingRequest, content: int) -> None:
+        """*request*'s body begins with a context: taken out (*content* bytes are left), its
+        deadline set."""
+        context, body = extension.split_context(request.body)
+        request.body = body
+        request.size = content + FRAME_OVERHEAD * len(body)
+        request.context = context
+        if context.deadline is not None:
+            request.deadline = self.now + context.deadline / 1000
+
+    def _forgetLatest(self, request: PendingRequest) -> None:
+        """*request* is over: no CANCEL is for it (nor its body held for one)."""
+        if self._latest.get(request.client) is request:
+            del self._latest[request.client]
+
+    def _cancel(self, key: PeerKey, name: bytes) -> None:
+        """Client *key* cancels its latest request to *name*: dropped if queued; its worker told,
+        if it takes CANCEL (else the client is answered now and the worker's reply dropped)."""
+        request = self._latest.get(key)
+        if request is None or request.service != name or (request.state is not QUEUED
+                                                          and request.state is not ASSIGNED):
+            self._emit(Dropped(key[1], "cancel-unknown",
+                               f"CANCEL for {label(name)!r}: no request of this client in hand"))
+            return
+        del self._latest[key]
+        if request.state is QUEUED:
+            service = self.services[request.service]
+            service.remove(request)
+            self._refuse(request, extension.STATUS_CANCELLED, "cancelled",
+                         "cancelled by its client while queued")
+            self._forgetIfEmpty(service)
+        elif self.workers[request.holder].extended:
+            self._tellCancelled(self.workers[request.holder], request, "cancelled by its client")
+        else:  # the worker cannot be told: the client hears now, the worker's reply is void
+            self._refuse(request, extension.STATUS_CANCELLED, "cancelled",
+                         "cancelled by its client while served", ANSWERED)
+
+    def _tellCancelled(self, worker: WorkerRef, request: PendingRequest, why: str) -> None:
+        """Send CANCEL to the (extended) *worker* serving *request*; it still answers it (if
+        the worker is lost first, the request is not run again)."""
+        request.givenUp = True
+        self._emit(Send(worker.key, codec.encode(WorkerCancel(request.envelope), worker.dialect)))
+        self._emit(Refused(request.client[1], request.service, None, "cancelled", why))
+
+    def _lapse(self, request: PendingRequest) -> None:
+        """*request*, out of its queue, is past its deadline: 504."""
+        waited = self.now - request.arrivedAt
+        self._refuse(request, extension.STATUS_DEADLINE, "deadline",
+                     f"its deadline passed after {waited:.3f}s in the broker, before a worker took it")
+
+    def _lapseDeadlines(self, now: float) -> None:
+        """504 to each queued request past its deadline; a wake-up for the next."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now + 1e-9:
+            request = heapq.heappop(heap)[2]
+            if request.state is QUEUED:
+                service = self.services[request.service]
+                service.remove(request)
+                self._lapse(request)
+                self._forgetIfEmpty(service)
+        if heap:
+            self._emit(WakeAt(heap[0][0]))
+
+    def _watchDeadline(self, request: PendingRequest) -> None:
+        """A queued *request* with a deadline: a wake-up by then."""
+        heap = self._deadlines
+        if len(heap) > 2 * self._ledger.count + 1024:  # stale entries are many: drop them
+            heap[:] = [e for e in heap if e[2].state is QUEUED]
+            heapq.heapify(heap)
+        if not heap or request.deadline < heap[0][0]:
+            self._emit(WakeAt(request.deadline))
+        heapq.heappush(heap, (request.deadline, id(request), request))
 
     def _admitted(self, request: PendingRequest, identity: Optional[str]) -> bool:
         """The admission's vote (not serving, the client times out and tries another
-        broker; ``mmi.binarystar`` always passes), then the access policy's (every
-        peer may ask ``mmi.*``)."""
+        broker; ``mmi.binarystar`` and ``mmi.extensions`` always pass), then the access
+        policy's (every peer may ask ``mmi.*``)."""
         name, now = request.service, self.now
-        if self.admission is not None and name != mmi.BINARYSTAR:
+        if self.admission is not None and name not in _NO_VOTE:
             if not self.admission.admitClient(now):
                 self._activeSince = None
                 self._refuse(request, None, "passive", "this broker is passive")
@@ -375,6 +495,8 @@ class BrokerMachine(Machine):
                 self._emit(WakeAt(deadline))
             self._unknown.append((deadline, service))
         service.enqueue(request)
+        if request.deadline is not None:
+            self._watchDeadline(request)
         if service.registered and request.client not in self._usefulClients:
             self._usefulClient(request.client)
         self._dispatch(service)
@@ -414,6 +536,8 @@ class BrokerMachine(Machine):
                 state: RequestState = DONE) -> None:
         """Answer *request* at once with error reply *code* (None: none), leaving it in *state*."""
         request.state = state
+        if request.context is not None:
+            self._forgetLatest(request)
         if code is not None:
             self._reply(request, codec.error_body(code, message), final=True)
         self._emit(Refused(request.client[1], request.service, code, kind, message))
@@ -468,7 +592,7 @@ class BrokerMachine(Machine):
                           dialect: str, identity: Optional[str]) -> None:
         if kind is Ready:
             self._gone.pop(key, None)
-            self._onReady(key, address, dialect, identity)
+            self._onReady(key, address, dialect, identity, self._declared.pop(key, False))
             return
         if kind is Disconnect:
             return
@@ -515,6 +639,8 @@ class BrokerMachine(Machine):
 
     def _finished(self, worker: WorkerRef, request: PendingRequest) -> None:
         """*worker* answered *request*: free for the next (or released, if passive)."""
+        if request.context is not None:
+            self._forgetLatest(request)
         worker.current = None
         worker.lastEnvelope = request.envelope
         if self._passive:
@@ -547,6 +673,8 @@ class BrokerMachine(Machine):
             return True
         service = self.services[request.service]
         service.remove(request)
+        if request.context is not None:
+            self._forgetLatest(request)
         self._emit(WorkerChanged(key[1], request.service, "answered-late", 0.0))
         self._reply(request, body, final=True)
         if self.observed:
@@ -554,7 +682,8 @@ class BrokerMachine(Machine):
         self._forgetIfEmpty(service)
         return True
 
-    def _onReady(self, key: PeerKey, name: bytes, dialect: str, identity: Optional[str]) -> None:
+    def _onReady(self, key: PeerKey, name: bytes, dialect: str, identity: Optional[str],
+                 extended: bool = False) -> None:
         service = self.services.get(name)
         kind = "ready"
         if self.access is not None and not self.access.mayServe(identity, name):
@@ -569,6 +698,7 @@ class BrokerMachine(Machine):
             if service is None:
                 service = self.services[name] = ServiceQueue(name, self._ledger)
             worker = WorkerRef(key, service, dialect, Liveness(self.heartbeat, self.now))
+            worker.extended = extended
             self.workers[key] = worker
             self._passive = False  # admitted: active now, even before a tick says so
             service.workers += 1
@@ -588,8 +718,11 @@ class BrokerMachine(Machine):
         if self._passive:
             return
         while service.size and service.idle:
-            _, worker = service.idle.popitem(last=False)
-            self._assign(worker, service.nextRequest())
+            request = service.nextRequest()
+            if request.deadline is not None and request.deadline <= self.now:
+                self._lapse(request)
+                continue
+            self._assign(service.idle.popitem(last=False)[1], request)
 
     def _assign(self, worker: WorkerRef, request: PendingRequest) -> None:
         if not worker.useful:
@@ -604,9 +737,24 @@ class BrokerMachine(Machine):
         if self.observed:
             self._emit(Assigned(request.service, now - request.queuedAt))
         request.envelope = envelope = request.client[1] + next(self._assignments).to_bytes(8, "big")
-        frames = encode_worker(W_REQUEST, envelope, request.body, worker.dialect)
+        request.holder = worker.key
+        body = request.body
+        context = request.context
+        if context is not None and worker.extended:
+            body = [self._contextFrame(request), *body]
+        frames = encode_worker(W_REQUEST, envelope, body, worker.dialect)
         self._outbox.append(Send(worker.key, frames))
         worker.liveness.lastSent = now
+        if context is not None and self.traced and context.traceparent is not None:
+            self._emit(Traced(request.service, (context.traceparent, context.tracestate),
+                              request.arrivedAt, now))
+
+    def _contextFrame(self, request: PendingRequest) -> bytes:
+        """*request*'s context as its worker gets it: the time left now."""
+        context = request.context
+        if request.deadline is not None:
+            context = context._replace(deadline=max(1, math.ceil((request.deadline - self.now) * 1000)))
+        return extension.encode_context(context)
 
     def _removeWorker(self, worker: WorkerRef, change: Optional[str] = None, silence: float = 0.0) -> None:
         """Forget *worker* (a :class:`WorkerChanged` if *change*); re-queue its request
@@ -633,6 +781,10 @@ class BrokerMachine(Machine):
         if request.state is not ASSIGNED:  # ANSWERED (413): nothing is owed
             request.state = DONE
             return
+        if request.givenUp:  # cancelled while its worker had it: not run again
+            self._refuse(request, extension.STATUS_CANCELLED, "cancelled",
+                         "cancelled by its client; its worker was lost meanwhile")
+            return
         if request.deliveries >= self.maxDeliveries:
             self._refuse(request, codec.STATUS_WORKER_ERROR, "poison",
                          f"request abandoned: the {request.deliveries} workers given it were "
@@ -651,6 +803,8 @@ class BrokerMachine(Machine):
         # accepted work is never dropped, even past the queue bounds
         request.queuedAt = self.now
         service.enqueue(request, first=True)
+        if request.deadline is not None:
+            self._watchDeadline(request)
         self._dispatch(service)
 
     def _invalid(self, key: PeerKey, kind: str, reason: str) -> None:

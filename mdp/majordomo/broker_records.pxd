@@ -3,12 +3,12 @@
 
 cdef class PendingRequest:
     cdef public object client, service, body, dialect, queuedAt, size, state, envelope
-    cdef public object deliveries, partials, arrivedAt, assignedAt
+    cdef public object deliveries, partials, arrivedAt, assignedAt, context, deadline, holder, givenUp
 
 cdef class ServiceQueue
 
 cdef class WorkerRef:
-    cdef public object key, dialect, liveness, state, lastEnvelope, useful
+    cdef public object key, dialect, liveness, state, lastEnvelope, useful, extended
     cdef public ServiceQueue service
     cdef public PendingRequest current
 

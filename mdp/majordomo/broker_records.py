@@ -64,7 +64,8 @@ class PendingRequest:
     """A client request accepted and not yet answered (plain class: compiled, an extension type)."""
 
     __slots__ = ("client", "service", "body", "dialect", "queuedAt", "size", "state", "envelope",
-                 "deliveries", "partials", "arrivedAt", "assignedAt")
+                 "deliveries", "partials", "arrivedAt", "assignedAt", "context", "deadline", "holder",
+                 "givenUp")
 
     def __init__(self, client: PeerKey, service: bytes, body: Sequence[bytes], dialect: str,
                  arrivedAt: float, size: int) -> None:
@@ -80,6 +81,10 @@ class PendingRequest:
         self.partials = 0  # PARTIALs forwarded to the client by its current worker
         self.arrivedAt = arrivedAt
         self.assignedAt = 0.0  # when its current assignment began
+        self.context: Any = None  # its RequestContext (mdp.majordomo.extension), if it came with one
+        self.deadline: Optional[float] = None  # when its caller stops waiting, if it said
+        self.holder: Optional[PeerKey] = None  # the worker of its current assignment
+        self.givenUp = False  # its client cancelled it while a worker had it
 
     def __repr__(self) -> str:
         return _fields_repr(self)
@@ -89,7 +94,7 @@ class WorkerRef:
     """The broker's view of one registered worker (a plain class, as :class:`PendingRequest`)."""
 
     __slots__ = ("key", "service", "dialect", "liveness", "state", "current", "useful",
-                 "lastEnvelope")
+                 "lastEnvelope", "extended")
 
     def __init__(self, key: PeerKey, service: ServiceQueue, dialect: str, liveness: Liveness) -> None:
         self.key = key
@@ -101,6 +106,7 @@ class WorkerRef:
         #: the assignment it finished last (a second FINAL for it is dropped)
         self.lastEnvelope = b""
         self.useful = False  # handed a request, or of a service that was
+        self.extended = False  # it declared the request-context extension in READY
 
     def __repr__(self) -> str:
         return _fields_repr(self)

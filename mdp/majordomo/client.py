@@ -15,8 +15,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import classImplements
 
-from mdp import transport
+from mdp import tracing, transport
 from mdp.errors import ClientClosed, StreamRestarted
+from mdp.handlers import current_deadline, serving_trace
 from mdp.interfaces import IClient, IDealerReceiver
 from mdp.machine import machine_view
 from mdp.majordomo import client_machine, codec
@@ -25,6 +26,7 @@ from mdp.majordomo.client_machine import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     Action,
+    CancelOn,
     ClientMachine,
     CloseChannel,
     Complete,
@@ -115,6 +117,8 @@ class ClientDriver:
             pipe, action.channel.pipe = action.channel.pipe, None
             if pipe is not None:
                 pipe.close()
+        elif kind is CancelOn:
+            self._sendCancel(action.channel, action.frames)
         elif kind is Dropped:
             self.throttle.warn(log, "dropped", "client dropped a message from {endpoint}: {reason}",
                                endpoint=action.endpoint, reason=action.reason)
@@ -153,12 +157,12 @@ class Client(ClientDriver):
     def __init__(self, endpoint: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
                  maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
-                 stamp: bool = False, limits: Limits = Limits(),
+                 stamp: bool = False, limits: Limits = Limits(), extensions: bool = True,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
         super().__init__(endpoint, reactor, timeout=timeout, retries=retries,
                          maxConnections=maxConnections, dialect=dialect, stamp=stamp,
-                         limits=limits, curveServerPublic=curveServerPublic,
+                         limits=limits, extensions=extensions, curveServerPublic=curveServerPublic,
                          curveSecret=curveSecret)
         self.reactor = reactor
         self._timer: Any = None
@@ -174,10 +178,16 @@ class Client(ClientDriver):
         now = self.reactor.seconds()
         machine = self.machine
         try:
-            call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now)
+            call = machine.newCall(service, frames, timeout, retries, onPartial, onRestart, now,
+                                   current_deadline())
         except ClientClosed as e:
             return defer.fail(e)
         deferred = call.deferred = defer.Deferred(lambda _: self._cancel(call))
+        if tracing.tracer() is None:
+            call.trace = serving_trace()
+        else:  # a span for the call, ended with it
+            span, call.trace = tracing.start_client_span(call.service)
+            deferred.addBoth(tracing.ended, span)
         self._perform(machine.handleRequest(call, now))
         return deferred
 
@@ -233,6 +243,11 @@ class Client(ClientDriver):
         if pipe is not None and pipe.connected and call is not None and not call.done:
             if pipe.discardReceived():
                 self._stale(channel)
+            pipe.sendMessage(frames)
+
+    def _sendCancel(self, channel: _Channel, frames: list[bytes]) -> None:
+        pipe = channel.pipe
+        if pipe is not None and pipe.connected:
             pipe.sendMessage(frames)
 
     def _open(self, channel: _Channel) -> None:

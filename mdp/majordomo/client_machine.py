@@ -10,6 +10,7 @@ import enum
 import errno
 import functools
 import itertools
+import math
 import uuid
 from collections import deque
 from heapq import heapify, heappop, heappush
@@ -26,7 +27,7 @@ from mdp.errors import (
     StreamRestarted,
 )
 from mdp.machine import Machine, action_type
-from mdp.majordomo import codec, idempotence
+from mdp.majordomo import codec, extension, idempotence
 from mdp.majordomo.codec import ClientFinal, ClientPartial
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.policy import MAX_SECONDS, EndpointRotation, Limits, whole_number
@@ -39,6 +40,11 @@ _NAMES_KEPT = 64
 DEFAULT_TIMEOUT = 2.5
 DEFAULT_RETRIES = 3
 DEFAULT_MAX_CONNECTIONS = 64
+#: seconds a broker has to answer ``mmi.extensions`` (ours answers at once; an RFC 18 one
+#: may never), on one of the client's connections
+PROBE_TIMEOUT = 1.0
+#: seconds until a broker that did not answer it is asked again, doubling up to the most
+ASK_AGAIN_FIRST, ASK_AGAIN_MAX = 60.0, 3600.0
 
 
 def _check_attempts(timeout: float, retries: int) -> None:
@@ -94,7 +100,7 @@ class _Call:
     Deferred or ``result`` and callbacks on it."""
 
     __slots__ = ("service", "message", "deferred", "result", "onPartial", "onRestart", "timeout",
-                 "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried")
+                 "retries", "attempts", "startedAt", "deadline", "channel", "state", "tried", "trace")
 
     def __init__(self, service: bytes, message: list[bytes], timeout: float, retries: int,
                  onPartial: Optional[Callable[[list[bytes]], Any]],
@@ -113,6 +119,8 @@ class _Call:
         self.tried: list[str] = []
         self.deferred: Any = None
         self.result: Any = None  # the blocking driver's reply frames or error
+        #: the W3C trace context it carries where the broker takes it: (traceparent, tracestate)
+        self.trace: Optional[tuple[bytes, Optional[bytes]]] = None
 
     @property
     def done(self) -> bool:
@@ -123,13 +131,14 @@ class _Channel:
     """One connection of the pool, with at most one request in flight; the
     driver hangs the transport on ``pipe``."""
 
-    __slots__ = ("endpoint", "call", "state", "pipe")
+    __slots__ = ("endpoint", "call", "state", "pipe", "context")
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.call: Optional[_Call] = None  # a done one is abandoned, its reply due
         self.state = DOWN
         self.pipe: Any = None
+        self.context = False  # its request went with a context frame: CANCEL may follow
 
     @property
     def up(self) -> bool:
@@ -142,6 +151,8 @@ _action = functools.partial(action_type, __name__)
 OpenChannel = _action("OpenChannel", "channel")
 CloseChannel = _action("CloseChannel", "channel")
 SendOn = _action("SendOn", "channel", "frames")
+#: send CANCEL on *channel*, whose request is done (the broker's answer frees it)
+CancelOn = _action("CancelOn", "channel", "frames")
 Partial = _action("Partial", "call", "body")
 Restarted = _action("Restarted", "call")
 Complete = _action("Complete", "call", "body")
@@ -161,7 +172,8 @@ class ClientMachine(Machine):
     def __init__(self, endpoints: list[str], *, timeout: float = DEFAULT_TIMEOUT,
                  retries: int = DEFAULT_RETRIES,
                  maxConnections: int = DEFAULT_MAX_CONNECTIONS, dialect: str = codec.RFC,
-                 stamp: bool = False, limits: Limits = Limits(), now: float = 0.0) -> None:
+                 stamp: bool = False, limits: Limits = Limits(), extensions: bool = True,
+                 now: float = 0.0) -> None:
         super().__init__(now)
         _check_attempts(timeout, retries)
         whole_number("maxConnections", maxConnections)
@@ -189,6 +201,15 @@ class ClientMachine(Machine):
         self._everUp = False
         self._failures: dict[str, str] = {}
         self._unreachable: dict[str, str] = {}
+        #: whether requests carry their deadline and may be cancelled at the broker: asked
+        #: of each broker, with *extensions* and the RFC dialect (docs/mdp.md)
+        self.extensions = extensions and self.dialect == _RFC and maxConnections > 1
+        #: the current broker takes the request-context extension (None: not known yet)
+        self.extended: Optional[bool] = None if self.extensions else False
+        self._probe: Optional[_Call] = None  # the mmi.extensions request asking it
+        #: when to ask again a broker that did not answer, and the wait after that
+        self._askAgainAt: Optional[float] = None
+        self._askAgainIn = ASK_AGAIN_FIRST
 
     @property
     def endpoints(self) -> list[str]:
@@ -200,8 +221,10 @@ class ClientMachine(Machine):
 
     def newCall(self, service: Union[str, bytes], frames: Sequence[Frame], timeout: Optional[float],
                 retries: Optional[int], onPartial: Optional[Callable[[list[bytes]], Any]],
-                onRestart: Optional[Callable[[], Any]], now: float) -> _Call:
-        """A request for :meth:`handleRequest`; raises for caller mistakes and once closed."""
+                onRestart: Optional[Callable[[], Any]], now: float,
+                within: Optional[float] = None) -> _Call:
+        """A request for :meth:`handleRequest`; raises for caller mistakes and once closed.
+        *within*: seconds left of a deadline it serves (a handler's), which its attempts keep to."""
         name = self._names.get(service) if type(service) in (str, bytes) else None
         if name is None:
             name = self._serviceName(service)
@@ -212,6 +235,9 @@ class ClientMachine(Machine):
             timeout, retries = self.timeout, self.retries
         else:
             timeout, retries = self.attempts(timeout, retries)
+        if within is not None and timeout * retries > within:
+            timeout = min(timeout, max(within, 0.001))
+            retries = max(1, min(retries, int(within / timeout)))
         if self.closed:
             raise ClientClosed("client is closed")
         return _Call(name, self._encode(name, body, mmi), timeout, retries, onPartial,
@@ -251,7 +277,8 @@ class ClientMachine(Machine):
         """A machine with this one's options and stamps and nothing in flight (closed if this one is)."""
         machine = ClientMachine(self.endpoints, timeout=self.timeout, retries=self.retries,
                                 maxConnections=self.maxConnections, dialect=self.dialect,
-                                stamp=self.stamp, limits=self.limits, now=now)
+                                stamp=self.stamp, limits=self.limits, extensions=self.extensions,
+                                now=now)
         machine.clientId, machine._sequence = self.clientId, self._sequence
         machine.closed = self.closed
         return machine
@@ -270,8 +297,44 @@ class ClientMachine(Machine):
         else:
             self._enqueue(call)
             self._pump()
+        if self._probe is None and not self.closed and (
+                self.extended is None or (self._askAgainAt is not None and now >= self._askAgainAt)):
+            self._askAgainAt = None
+            self._askExtensions()
         outbox, self._outbox = self._outbox, []  # (_drain, inlined)
         return outbox
+
+    def _askExtensions(self) -> None:
+        """Ask the broker (``mmi.extensions``) whether it takes request contexts, on the
+        first connection its request frees (so the broker holds no connection more); until it
+        answers, requests go without (a broker that never answers: none, at the timeout)."""
+        name = extension.MMI_EXTENSIONS
+        self._probe = _Call(name, [_HEADER, codec.C_REQUEST, name, b""],
+                            min(self.timeout, PROBE_TIMEOUT), 1, None, None, self.now)
+
+    def _sendProbe(self, channel: _Channel) -> bool:
+        """Send the probe on *channel*, just freed, if it waits and nothing else does."""
+        probe = self._probe
+        if (probe is None or probe.state is not QUEUED or self._waiting or self.closed
+                or channel.endpoint != self._rotation.current):
+            return False
+        probe.startedAt, probe.deadline = self.now, self.now + probe.timeout
+        self._live += 1
+        self._schedule(probe)
+        self._assign(channel, probe)
+        return True
+
+    def _probed(self, call: _Call, reply: Optional[list[bytes]]) -> None:
+        """The probe's *reply* (None: it failed): what the broker it went to takes.  An
+        answer is final for that broker; no answer, and it is asked again later (a minute,
+        doubling to an hour: an RFC 18 broker may never answer)."""
+        self._probe = None
+        if not call.tried or call.tried[0] != self._rotation.current:
+            return
+        self.extended = reply is not None and extension.takes_extensions(reply)
+        if reply is None:
+            self._askAgainAt = self.now + self._askAgainIn
+            self._askAgainIn = min(self._askAgainIn * 2, ASK_AGAIN_MAX)
 
     def handlePipeUp(self, channel: _Channel, now: float) -> list[Action]:
         self.now = now
@@ -316,6 +379,8 @@ class ClientMachine(Machine):
         self.now = now
         if why is not None and channel in self._channels:
             self._failures[channel.endpoint] = f"connection lost: {why}"
+            if self.extensions and channel.endpoint == self._rotation.current:
+                self.extended, self._askAgainIn = None, ASK_AGAIN_FIRST  # (maybe restarted)
         channel.state = DOWN
         call = channel.call
         if call is not None:
@@ -386,6 +451,9 @@ class ClientMachine(Machine):
         calls = {id(e[2]): e[2] for e in sorted(self._deadlines) if not e[2].done}.values()
         self._waiting.clear()
         for channel in list(self._channels):
+            call = channel.call
+            if channel.state is SENT and call is not None and not call.done:
+                self._cancelOn(channel, call)  # (a broker that takes CANCEL lets it go)
             self._discard(channel)
         for call in calls:
             call.channel = None
@@ -407,7 +475,22 @@ class ClientMachine(Machine):
         call = channel.call
         if channel.state is UP and call is not None and call.state is not DONE:
             channel.state = SENT
-            self._outbox.append(SendOn(channel, call.message))  # type: ignore[arg-type]
+            message = call.message
+            # (what is known of the current broker alone: a channel may outlive a failover)
+            channel.context = (self.extended is True and channel.endpoint == self._rotation.current
+                               and call is not self._probe and not call.service.startswith(b"mmi."))
+            if channel.context:
+                message = [*message[:3], self._contextFrame(call), *message[3:]]
+            self._outbox.append(SendOn(channel, message))  # type: ignore[arg-type]
+
+    def _contextFrame(self, call: _Call) -> bytes:
+        """The attempt's time left (rounded up: no hop gives up before this client), and the
+        call's trace context (a ``tracestate`` the broker would refuse is left out)."""
+        left = min(max(1, math.ceil((call.deadline - self.now) * 1000)), extension.MAX_DEADLINE_MS)
+        parent, state = call.trace if call.trace is not None else (None, None)
+        if state is not None and not 0 < len(state) <= extension.MAX_TRACESTATE:
+            state = None
+        return extension.encode_context(extension.RequestContext(left, parent, state))
 
     def _enqueue(self, call: _Call, first: bool = False) -> None:
         call.state = QUEUED
@@ -468,16 +551,19 @@ class ClientMachine(Machine):
             channel.state = UP
         if call is not None and call.channel is channel:
             call.channel = None
-        if channel.endpoint == self._rotation.current:
-            self._idle.append(channel)
-        else:
+        if channel.endpoint != self._rotation.current:
             self._discard(channel)
+        elif not self._sendProbe(channel):
+            self._idle.append(channel)
         if self._waiting:
             self._pump()
 
     def _moveOn(self) -> None:
         """Fail over to the next broker; close the idle connections to the one left."""
+        left = self._rotation.current
         self._rotation.advance()
+        if self.extensions and self._rotation.current != left:
+            self.extended, self._askAgainIn = None, ASK_AGAIN_FIRST  # (another broker: asked anew)
         current = self._rotation.current
         for channel in [c for c in self._idle if c.endpoint != current]:
             self._discard(channel)
@@ -554,8 +640,11 @@ class ClientMachine(Machine):
         """The FINAL or a PARTIAL of *call* (discarded if it is done)."""
         if final:
             self._release(channel)
-            if len(body) == 3 and body[0] == _ERROR_MARKER:
-                self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
+            if call is self._probe:
+                if self._done(call):
+                    self._probed(call, body)
+            elif len(body) == 3 and body[0] == _ERROR_MARKER:
+                self._failed(call, body)
             elif self._done(call):
                 self._outbox.append(Complete(call, body))
         elif call.state is not DONE:
@@ -564,6 +653,16 @@ class ClientMachine(Machine):
             else:
                 call.state = STREAMING
                 self._outbox.append(Partial(call, body))
+
+    def _failed(self, call: _Call, body: list[bytes]) -> None:
+        """An error reply to *call*; a 504 (its attempt's deadline passed at the broker or
+        the worker) ends that attempt alone, as its timeout would."""
+        streamed = call.state is STREAMING
+        if (body[1] == extension.STATUS_DEADLINE and call.state is not DONE
+                and call.attempts < call.retries and not (streamed and call.onRestart is None)):
+            self._retry(call, streamed)
+        else:
+            self._fail(call, remote_error(call.service, body))  # type: ignore[arg-type]
 
     def _restart(self, call: _Call) -> None:
         """The reply of *call* starts over: a STREAMING call is IN_FLIGHT again."""
@@ -591,7 +690,7 @@ class ClientMachine(Machine):
         streamed = call.state is STREAMING
         if channel is not None:
             self._discard(channel)
-            if channel.endpoint == self._rotation.current:
+            if channel.endpoint == self._rotation.current and call is not self._probe:
                 self._moveOn()
         if call.attempts >= call.retries or (streamed and call.onRestart is None):
             self._fail(call, RequestTimeout(call.service, call.attempts,
@@ -640,14 +739,24 @@ class ClientMachine(Machine):
 
     def _fail(self, call: _Call, error: BaseException) -> None:
         if self._done(call):
-            self._outbox.append(Fail(call, error))
+            if call is self._probe:
+                self._probed(call, None)
+            else:
+                self._outbox.append(Fail(call, error))
             if self._abandon(call):
                 self._pump()
 
     def _abandon(self, call: _Call) -> bool:
-        """*call* just became DONE: whether its connection is kept for the reply."""
+        """*call* just became DONE: whether its connection is kept for the reply (a broker
+        that takes CANCEL is told, and answers at once)."""
         channel = call.channel
         if channel is not None and channel.call is call and channel.state is SENT:
             self._abandoned += 1
+            self._cancelOn(channel, call)
             return True
         return False
+
+    def _cancelOn(self, channel: _Channel, call: _Call) -> None:
+        """CANCEL for *call*, in flight on *channel*, if it went with a context."""
+        if channel.context:
+            self._outbox.append(CancelOn(channel, [_HEADER, codec.C_CANCEL, call.service]))

@@ -38,6 +38,8 @@ DIALECTS = (RFC, MAJORTOMO)
 C_REQUEST = b"\x01"
 C_PARTIAL = b"\x02"
 C_FINAL = b"\x03"
+#: extension (mdp.majordomo.extension): the client gives up its request to a service
+C_CANCEL = b"\x04"
 
 # MDP/Worker command bytes
 W_READY = b"\x01"
@@ -46,6 +48,8 @@ W_PARTIAL = b"\x03"
 W_FINAL = b"\x04"
 W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
+#: extension: the broker tells a worker that declared it to give up a request
+W_CANCEL = b"\x07"
 
 #: What a client or worker asks, on a relay hop, of a ZeroMQ broker to learn
 #: whether it relays (mdp.transport.zmqchannels): any answer says it does
@@ -78,23 +82,29 @@ WorkerFinal = _command_class("WorkerFinal", "client", "body")
 #: MDP/Worker HEARTBEAT and DISCONNECT, both directions
 Heartbeat = _command_class("Heartbeat")
 Disconnect = _command_class("Disconnect")
+#: the extension's CANCEL: a client's of its request to *service*; the broker's to a worker
+#: of the request it holds for *client* (docs/mdp.md)
+ClientCancel = _command_class("ClientCancel", "service")
+WorkerCancel = _command_class("WorkerCancel", "client")
 
 Command = Union[ClientRequest, ClientPartial, ClientFinal, Ready, WorkerRequest, WorkerPartial,
-                WorkerFinal, Heartbeat, Disconnect]
+                WorkerFinal, Heartbeat, Disconnect, ClientCancel, WorkerCancel]
 
 HEARTBEAT = Heartbeat()
 DISCONNECT = Disconnect()
 
 _CLIENT_TYPES = {
-    RFC: {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal},
+    RFC: {C_REQUEST: ClientRequest, C_PARTIAL: ClientPartial, C_FINAL: ClientFinal,
+          C_CANCEL: ClientCancel},
     MAJORTOMO: {b"\x02": ClientRequest, b"\x03": ClientPartial, b"\x04": ClientFinal},
 }
 _CLIENT_CODES = {dialect: {kind: code for code, kind in table.items()}
                  for dialect, table in _CLIENT_TYPES.items()}
 _WORKER_TYPES = {W_READY: Ready, W_REQUEST: WorkerRequest, W_PARTIAL: WorkerPartial,
-                 W_FINAL: WorkerFinal, W_HEARTBEAT: Heartbeat, W_DISCONNECT: Disconnect}
+                 W_FINAL: WorkerFinal, W_HEARTBEAT: Heartbeat, W_DISCONNECT: Disconnect,
+                 W_CANCEL: WorkerCancel}
 #: how many frames a worker command without a body takes
-_WORKER_FRAMES = {Ready: 3, Heartbeat: 2, Disconnect: 2}
+_WORKER_FRAMES = {Ready: 3, Heartbeat: 2, Disconnect: 2, WorkerCancel: 3}
 #: a command's name in the RFC: REQUEST, READY, ...
 _NAMES = {kind: kind.__name__.removeprefix("Client").removeprefix("Worker").upper()
           for kind in (*_CLIENT_CODES[RFC], *_WORKER_TYPES.values())}
@@ -177,7 +187,9 @@ def decode(frames: Sequence[bytes], dialect: str = RFC) -> Command:
     kind, address, body = parse(frames, dialect)
     if kind is Heartbeat or kind is Disconnect:
         return HEARTBEAT if kind is Heartbeat else DISCONNECT
-    return Ready(address) if kind is Ready else kind(address, list(body))
+    if kind is Ready or kind is ClientCancel or kind is WorkerCancel:
+        return kind(address)
+    return kind(address, list(body))
 
 
 def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
@@ -187,6 +199,10 @@ def _parse_client(frames: Sequence[bytes], dialect: str) -> Parsed:
     kind = _CLIENT_TYPES[dialect].get(frames[1])
     if kind is None:
         raise ProtocolError(f"unknown MDP/Client command {bytes(frames[1][:8])!r} ({dialect} dialect)")
+    if kind is ClientCancel:
+        if count != 3:
+            raise ProtocolError(f"MDP/Client CANCEL takes 3 frames, got {count}")
+        return kind, validate_service(frames[2]), ()
     if dialect == MAJORTOMO and kind is not ClientRequest:
         if count < 3:
             raise ProtocolError(f"MDP/Client {_NAMES[kind]} needs at least 3 frames in the "
@@ -215,7 +231,9 @@ def _parse_worker(frames: Sequence[bytes]) -> Parsed:
         return kind, frames[2], frames[4:]
     if count != expected:
         raise ProtocolError(f"MDP/Worker {_NAMES[kind]} takes {expected} frames, got {count}")
-    return kind, (validate_service(frames[2]) if kind is Ready else b""), ()
+    if kind is Ready:
+        return kind, validate_service(frames[2]), ()
+    return kind, (frames[2] if kind is WorkerCancel else b""), ()
 
 
 _WORKER_CODES = {kind: code for code, kind in _WORKER_TYPES.items()}
@@ -228,6 +246,8 @@ def encode(command: Command, dialect: str = RFC) -> Frames:
         return encode_client_reply(command.service, command.body, kind is ClientFinal, dialect)
     if kind is ClientRequest:
         frames = [CLIENT_HEADER, _CLIENT_CODES[dialect][kind], command.service, *command.body]
+    elif kind is ClientCancel:
+        frames = [CLIENT_HEADER, C_CANCEL, command.service]
     elif kind in _WORKER_FRAMES:  # READY, HEARTBEAT, DISCONNECT
         frames = [WORKER_HEADER, _WORKER_CODES[kind], *attrs.astuple(command)]
     elif kind in _WORKER_CODES:  # REQUEST, PARTIAL, FINAL

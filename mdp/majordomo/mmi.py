@@ -1,5 +1,6 @@
 """Majordomo Management Interface (ZeroMQ RFC 8): the ``mmi.*`` services the broker answers
-itself, ``mmi.service``, ``mmi.services``, ``mmi.workers`` and ``mmi.binarystar``, any other
+itself, ``mmi.service``, ``mmi.services``, ``mmi.workers``, ``mmi.binarystar`` and
+``mmi.extensions`` (mdp.majordomo.extension), any other
 ``501`` (docs/mdp.md).  Under an access policy a peer hears only of the services it may call
 (workers are listed without peer ids).  Listings hold at most :data:`MAX_ENTRIES`
 (``mmi.services``: those with workers first); a second frame ``{"truncated": true, "total": n}``
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from mdp.majordomo import extension
 
 if TYPE_CHECKING:
     from mdp.majordomo.broker_machine import BrokerMachine
@@ -63,6 +66,8 @@ def answer(broker: BrokerMachine, service: bytes, body: Sequence[bytes],
         return _listing([{"service": w.service.decode("ascii"), "busy": w.busy, "dialect": w.dialect,
                           "silence": round(w.silence, 3), **({"id": w.peer} if visible is None else {})}
                          for w in snapshot.workers], snapshot.workerCount)
+    if service == extension.MMI_EXTENSIONS:
+        return [FOUND, extension.FEATURES]
     status = broker.admissionStatus() if service == BINARYSTAR else None
     return [NOT_IMPLEMENTED] if status is None else [json.dumps(status, sort_keys=True).encode()]
 

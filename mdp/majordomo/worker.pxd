@@ -6,7 +6,7 @@ from mdp.machine cimport Machine
 cdef class WorkerMachine(Machine):
     cdef public object _rotation, service, heartbeat, backoff, dialect, limits
     cdef public object state, liveness, failures, refusals, current, answered, generation
-    cdef public object connectWhy, connectSaidAt
+    cdef public object connectWhy, connectSaidAt, extensions, asked, _unasked
 
     cpdef list handleMessage(self, frames, now)
     cpdef tuple handleReply(self, job, kind, frames, now, store=*)
@@ -26,10 +26,11 @@ cdef class Worker(WorkerDriver):
     cdef dict __dict__
     cdef object __weakref__
     cdef public object reactor, streamPauses, _reconnectCall, _ticker
-    cdef public object _lastTick, _handlerBlockEnded, metrics
+    cdef public object _lastTick, _handlerBlockEnded, metrics, held, _lapseCall
 
     # a request's path, through C calls (cpdef: also callbacks and Python's)
     cpdef _perform(self, list actions)
     cpdef _run(self, job, body)
+    cpdef _handle(self, job, body)
     cpdef _finish(self, value, job)
     cpdef bint _reply(self, job, kind, frames, store=*, failure=*) except -1

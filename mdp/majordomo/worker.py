@@ -18,12 +18,12 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from zope.interface import classImplements
 
-from mdp import transport
+from mdp import handlers, tracing, transport
 from mdp.errors import ProtocolError, TransportError
 from mdp.handlers import reply_frames
 from mdp.interfaces import IDealerChannels, IDealerReceiver, IWorker
 from mdp.machine import Machine, action_type, machine_view
-from mdp.majordomo import codec, idempotence
+from mdp.majordomo import codec, extension, idempotence
 from mdp.majordomo.client_machine import unreachable
 from mdp.majordomo.codec import (
     RFC,
@@ -33,6 +33,7 @@ from mdp.majordomo.codec import (
     WORKER_HEADER,
     Disconnect,
     Heartbeat,
+    WorkerCancel,
     WorkerFinal,
     WorkerPartial,
     WorkerRequest,
@@ -57,6 +58,8 @@ log = Logger(namespace=__name__)  # (compiled, Logger() cannot find the module)
 
 Handler = Callable[[list[bytes]], Any]
 
+#: how the broker's answer to a worker's ``mmi.extensions`` begins
+_EXTENSIONS_ANSWER = [codec.CLIENT_HEADER, codec.C_FINAL, extension.MMI_EXTENSIONS]
 #: bytes a reply's envelope adds, besides the client address
 _REPLY_OVERHEAD = len(WORKER_HEADER) + 1
 
@@ -82,8 +85,11 @@ class Final:
 
 _action = functools.partial(action_type, __name__)
 #: one request being served: its client, the generation of the pipe it came on, its
-#: stamp's key and when it came
-_Job = _action("_Job", "client", "generation", "key", "startedAt")
+#: stamp's key, when it came, and its context (mdp.majordomo.extension) and deadline if it
+#: had one; *givenUp* is set to why (``"cancelled"``, ``"deadline"``) once it is, and
+#: *answered* once its FINAL went (what its handler started may outlive it)
+_Job = _action("_Job", "client", "generation", "key", "startedAt", context=None, deadline=None,
+               givenUp=None, answered=False)
 SendToBroker = _action("SendToBroker", "frames")
 OpenPipe = _action("OpenPipe", "endpoint")
 ClosePipe = _action("ClosePipe")  # (what was sent on it goes first)
@@ -92,6 +98,8 @@ ClosePipe = _action("ClosePipe")  # (what was sent on it goes first)
 ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
 #: answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`
 Serve = _action("Serve", "job", "body")
+#: the broker cancelled the request in hand for *client*: give it up (its handler's Deferred)
+GiveUp = _action("GiveUp", "client")
 StoreReply = _action("StoreReply", "key", "frames")
 Dropped = _action("Dropped", "reason")
 Refused = _action("Refused", "status", "reason")  # a request answered with an error instead
@@ -99,6 +107,21 @@ Lost = _action("Lost", "endpoint", "why")
 ConnectFailed = _action("ConnectFailed", "endpoint", "why")
 
 Action = Any  # one of the above
+
+
+def lapsed(job: _Job, now: float) -> bool:
+    """*job*'s deadline passed by *now*, before its handler started: given up (504)."""
+    if job.deadline is not None and now >= job.deadline:
+        job.givenUp = "deadline"
+        return True
+    return False
+
+
+def given_up_body(job: _Job) -> list[bytes]:
+    """The error reply of a request given up: 499 (cancelled) or 504 (its deadline passed)."""
+    if job.givenUp == "cancelled":
+        return codec.error_body(extension.STATUS_CANCELLED, "cancelled by its caller")
+    return codec.error_body(extension.STATUS_DEADLINE, "its deadline passed at the worker")
 
 
 def _why(reason: object) -> str:
@@ -113,9 +136,15 @@ class WorkerMachine(Machine):
 
     def __init__(self, endpoints: list[str], service: bytes, *,
                  heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
-                 dialect: str = codec.RFC, limits: Limits = Limits(), now: float = 0.0) -> None:
+                 dialect: str = codec.RFC, limits: Limits = Limits(), extensions: bool = True,
+                 now: float = 0.0) -> None:
         super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
+        #: declare the request-context extension to each broker (RFC dialect only)
+        self.extensions = extensions and dialect == RFC
+        self.asked = False  # on this connection
+        #: endpoints whose broker dropped us after we asked, how many times in a row
+        self._unasked: dict[str, int] = {}
         self.service = service
         self.heartbeat = heartbeat
         self.backoff = backoff
@@ -177,6 +206,11 @@ class WorkerMachine(Machine):
         self.current = None
         self.answered = False
         self.liveness.heard(now)
+        # declares the extension to a broker that takes it (not again where asking cost
+        # the connection: a broker that takes no client command from a worker)
+        self.asked = self.extensions and self._unasked.get(self.endpoint, 0) < 2
+        if self.asked:
+            self._outbox.append(SendToBroker(list(extension.ASK_EXTENSIONS)))
         self._send(codec.Ready(self.service))
         return self._drain()
 
@@ -192,6 +226,7 @@ class WorkerMachine(Machine):
 
     def handlePipeLost(self, now: float, why: object = None) -> list[Action]:
         self.now = now
+        self._askedInVain()
         if self.state is READY:
             self._outbox.append(Lost(self.endpoint, _why(why)))
             self.state = CONNECTING
@@ -206,6 +241,10 @@ class WorkerMachine(Machine):
         elif (len(frames) >= 5 and frames[0] == WORKER_HEADER and frames[1] == W_REQUEST
                 and frames[3] == b"" and self.dialect == RFC):
             self._command(WorkerRequest, frames[2], frames[4:])
+        elif frames[:3] == _EXTENSIONS_ANSWER:  # the broker heard the question (whatever it takes)
+            self.liveness.heard(now)
+            self.asked = False
+            self._unasked.pop(self.endpoint, None)
         else:
             try:
                 kind, client, body = codec.parse(codec.expect(frames, self.dialect, WORKER_HEADER))
@@ -249,6 +288,13 @@ class WorkerMachine(Machine):
             self.liveness.heard(now)
         return self._drain()
 
+    def _askedInVain(self) -> None:
+        """The connection ended before the broker said anything after we asked
+        ``mmi.extensions``: after twice in a row, that broker is not asked again."""
+        if self.asked and not self.answered and self.state is READY:
+            self._unasked[self.endpoint] = self._unasked.get(self.endpoint, 0) + 1
+        self.asked = False
+
     def _open(self) -> None:
         self.state = CONNECTING
         self.liveness.heard(self.now)
@@ -271,7 +317,11 @@ class WorkerMachine(Machine):
             self.refusals = 0
             if kind is WorkerRequest:
                 self._request(client, body)
+        elif kind is WorkerCancel:
+            if self.current == client:  # (else it crossed the reply: nothing to give up)
+                self._outbox.append(GiveUp(client))
         elif kind is Disconnect:
+            self._askedInVain()
             delay = self.backoff.delay(self.refusals - 1) if self.refusals else 0.0
             self.refusals += 1
             self._reconnect(delay)
@@ -282,19 +332,25 @@ class WorkerMachine(Machine):
         if self.current is not None:
             self._outbox.append(Dropped("a REQUEST while busy"))
             return
-        key = None
-        if body and body[0] == STAMP_MARKER:
-            try:
+        key = context = deadline = None
+        try:
+            if extension.has_context(body):
+                context, body = extension.split_context(body)
+                if context.deadline is not None:
+                    deadline = self.now + context.deadline / 1000
+            if body and body[0] == STAMP_MARKER:
                 key, body = idempotence.unstamp(body)
-            except ValueError as e:
-                self._outbox.append(Refused(codec.STATUS_BAD_REQUEST, f"malformed stamp: {e}"))
-                self.current = client
-                self._replyPart(_Job(client, self.generation, None, self.now), WorkerFinal,
-                                codec.error_body(codec.STATUS_BAD_REQUEST,
-                                                 f"malformed request stamp: {e}"), False)
-                return
+        except (ValueError, ProtocolError) as e:
+            what = "stamp" if isinstance(e, ValueError) else "context"
+            self._outbox.append(Refused(codec.STATUS_BAD_REQUEST, f"malformed {what}: {e}"))
+            self.current = client
+            self._replyPart(_Job(client, self.generation, None, self.now), WorkerFinal,
+                            codec.error_body(codec.STATUS_BAD_REQUEST,
+                                             f"malformed request {what}: {e}"), False)
+            return
         self.current = client
-        self._outbox.append(Serve(_Job(client, self.generation, key, self.now), body))
+        self._outbox.append(Serve(_Job(client, self.generation, key, self.now, context, deadline),
+                                  body))
 
     def _replyPart(self, job: _Job, kind: type, frames: list[bytes], store: bool) -> bool:
         """Send a reply part if *job* is in hand (a 413 instead if too large); a FINAL
@@ -313,8 +369,10 @@ class WorkerMachine(Machine):
                 frames = codec.error_body(codec.STATUS_TOO_LARGE,
                                           f"reply too large to send: {tooLarge}")
         final = kind is WorkerFinal
-        if final and store and job.key is not None:
-            self._outbox.append(StoreReply(job.key, frames))
+        if final:
+            job.answered = True
+            if store and job.key is not None:
+                self._outbox.append(StoreReply(job.key, frames))
         if not current:
             return False
         self._outbox.append(SendToBroker(encode_worker(
@@ -376,6 +434,9 @@ class WorkerDriver:
             if self.replies is not None:
                 defer.maybeDeferred(self.replies.put, action.key, action.frames).addErrback(
                     _storeFailed)
+            return None
+        if kind is GiveUp:
+            self._giveUpHeld(action.client)
             return None
         service = label(self.machine.service)
         if kind is OpenPipe:
@@ -442,15 +503,19 @@ class Worker(WorkerDriver):
                  dialect: str = codec.RFC, replies: Optional[idempotence.IReplyStore] = None,
                  limits: Limits = Limits(), metrics: Optional[Any] = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
-                 concurrency: int = 1) -> None:
+                 concurrency: int = 1, extensions: bool = True) -> None:
         whole_number("concurrency", concurrency)
         reactor = default_reactor(reactor)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
-                       curveServerPublic=curveServerPublic, curveSecret=curveSecret)
+                       curveServerPublic=curveServerPublic, curveSecret=curveSecret,
+                       extensions=extensions)
         super().__init__(endpoint, service, handler, reactor, **options)
         self.reactor = reactor
         self.replies = replies
         self.streamPauses = 0  # times a stream waited for the queue to drain
+        #: the request in hand that may be given up, with the Deferred of its handler
+        self.held: Optional[tuple[_Job, defer.Deferred[Any]]] = None
+        self._lapseCall: Any = None  # gives it up at its deadline
         self._reconnectCall: Any = None
         self._ticker = task.LoopingCall(self.tick)
         self._ticker.clock = reactor
@@ -594,6 +659,61 @@ class Worker(WorkerDriver):
         defer.maybeDeferred(self.replies.get, job.key).addBoth(lookedUp)
 
     def _run(self, job: _Job, body: list[bytes]) -> None:
+        if job.context is None:
+            self._handle(job, body)
+            return
+        clock = self.reactor.seconds
+        if lapsed(job, clock()):  # (it waited on the reply store)
+            self._givenUp(job)
+            return
+        token = handlers.serving(job, clock)  # (current_deadline(), cancelled())
+        span, spanToken = tracing.start_handler_span(self.machine.service, handlers.serving_trace())
+        try:
+            self._handle(job, body)
+        finally:
+            if span is not None:
+                tracing.detach(spanToken)
+            handlers._serving.reset(token)
+        if span is not None:  # ended with the request (in hand: when its handler is done)
+            held = self.held
+            if held is not None and held[0] is job:
+                held[1].addBoth(tracing.ended, span)
+            else:
+                tracing.end_span(span)
+
+    def _hold(self, job: _Job, running: defer.Deferred[Any]) -> None:
+        """*running* serves *job*, which came with a context: given up on CANCEL, or at its deadline."""
+        if running.called and not running.paused:  # (answered; paused: it waits on another)
+            return
+        self.held = (job, running)
+        if job.deadline is not None:
+            self._lapseCall = self.reactor.callLater(max(0.0, job.deadline - self.reactor.seconds()),
+                                                     self._giveUp, job, "deadline")
+        running.addBoth(self._released, job)
+
+    def _released(self, result: Any, job: _Job) -> Any:
+        if self.held is not None and self.held[0] is job:
+            self.held = None
+            self._lapseCall = cancel_call(self._lapseCall)
+        return result
+
+    def _giveUpHeld(self, client: bytes) -> None:
+        """The broker cancelled the request in hand for *client*."""
+        held = self.held
+        if held is not None and held[0].client == client:
+            self._giveUp(held[0], "cancelled")
+
+    def _giveUp(self, job: _Job, why: str) -> None:
+        """Give up *job* (``why``: cancelled, deadline): its handler's Deferred is cancelled."""
+        if job.givenUp is None and self.held is not None and self.held[0] is job:
+            job.givenUp = why
+            self.held[1].cancel()
+
+    def _givenUp(self, job: _Job) -> None:
+        """Answer a request given up: 499 (cancelled) or 504 (its deadline passed)."""
+        self._reply(job, WorkerFinal, given_up_body(job), store=False, failure=job.givenUp)
+
+    def _handle(self, job: _Job, body: list[bytes]) -> None:
         clock = self.reactor.seconds
         started = clock()
         try:
@@ -614,9 +734,12 @@ class Worker(WorkerDriver):
         if isinstance(result, defer.Deferred):
             result.addCallbacks(self._finish, self._failed, (job,), None, (job,))
         elif isinstance(result, (AsyncGenerator, Generator)):
-            defer.ensureDeferred(self._stream(result, job)).addErrback(self._failed, job)
+            result = defer.ensureDeferred(self._stream(result, job)).addErrback(self._failed, job)
         else:
             self._finish(result, job)
+            return
+        if job.context is not None:
+            self._hold(job, result)
 
     def _checkBlocked(self, blocked: float) -> None:
         """Log a handler that kept the reactor over a heartbeat interval; the
@@ -630,7 +753,18 @@ class Worker(WorkerDriver):
 
     async def _stream(self, parts: Any, job: _Job) -> None:
         """Send what a streaming handler yields as PARTIALs, until a :class:`Final`
-        or the request is void; paused while the transport is not writable."""
+        or the request is void; paused while the transport is not writable.  Given up
+        (cancelled), the generator is closed."""
+        try:
+            await self._streamParts(parts, job)
+        except defer.CancelledError:
+            if isinstance(parts, Generator):
+                parts.close()
+            else:
+                await parts.aclose()
+            raise
+
+    async def _streamParts(self, parts: Any, job: _Job) -> None:
         sync = isinstance(parts, Generator)
         while True:
             try:
@@ -662,6 +796,9 @@ class Worker(WorkerDriver):
             self.requestsServed += 1
 
     def _failed(self, failure: Failure, job: _Job) -> None:
+        if job.givenUp is not None and failure.check(defer.CancelledError):
+            self._givenUp(job)
+            return
         log.failure("handler for {service} failed", failure, service=label(self.service))
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
         self._reply(job, WorkerFinal, codec.error_body(codec.STATUS_WORKER_ERROR, message),
