@@ -1,5 +1,6 @@
 """The suite cannot hang (tests/suite_guard.py): each case runs a small suite
-of its own in two test processes, as the README's test command runs ours,
+of its own in two test processes, as the README's test command runs ours
+(in three on two cores),
 with limits of a few seconds."""
 
 from __future__ import annotations
