@@ -122,6 +122,11 @@ class StoreError(MDPError):
     """A store (Titanic's) cannot be opened or used; its service stops."""
 
 
+class StoreUnavailable(StoreError):
+    """A store's database cannot be reached now (logged once by the store); the next call
+    tries again."""
+
+
 class TitanicError(MDPError):
     """Titanic refused or failed a request (status ``500``)."""
 

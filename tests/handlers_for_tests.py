@@ -24,6 +24,21 @@ def slow_tagged(frames: list[bytes]):
     return task.deferLater(reactor, 0.02, lambda: [str(os.getpid()).encode(), *frames])
 
 
+def counted_tagged(frames: list[bytes]):
+    """:func:`tagged` after 5 ms, counting the run: a line with the request in
+    ``$MDP_TEST_RUNS/<pid>``."""
+    import os
+
+    from twisted.internet import reactor, task
+
+    def done() -> list[bytes]:
+        with open(os.path.join(os.environ["MDP_TEST_RUNS"], str(os.getpid())), "ab") as count:
+            count.write(frames[0] + b"\n")
+        return [str(os.getpid()).encode(), *frames]
+
+    return task.deferLater(reactor, 0.005, done)
+
+
 def burst(frames: list[bytes]):
     """Stream int(frames[0]) PARTIALs in one burst, then a FINAL."""
     from mdp import Final

@@ -1,4 +1,4 @@
-"""Titanic's stores: the same contract in memory and in SQLite; SQLite keeps
+"""Titanic's stores: the same contract in memory, in SQLite and in PostgreSQL; SQLite keeps
 what it acknowledged across a restart and refuses a damaged file."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest_twisted
 
 from mdp.errors import StoreError
 from mdp.titanic.store import MemoryStore, ReplyStatus, SQLiteStore
+from tests.postgres_server import postgres  # noqa: F401  (a fixture)
 
 
 def reactor() -> Any:
@@ -32,12 +33,23 @@ async def opened(path: str) -> Any:
         await store.close()
 
 
-@pytest_twisted.async_yield_fixture(params=["memory", "sqlite"])
+@pytest_twisted.async_yield_fixture(params=["memory", "sqlite", "postgresql"])
 async def store(request: Any, tmp_path: Any) -> Any:
-    s = MemoryStore() if request.param == "memory" else SQLiteStore(str(tmp_path / "t.db"), reactor())
+    if request.param == "postgresql":
+        from mdp.titanic.pgstore import PostgresStore
+
+        server = request.getfixturevalue("postgres")
+        s = PostgresStore(server.url(), reactor())
+    else:
+        s = MemoryStore() if request.param == "memory" else SQLiteStore(str(tmp_path / "t.db"), reactor())
     await s.open()
     yield s
     await s.close()
+    if request.param == "postgresql":
+        import psycopg
+
+        with psycopg.connect(server.url(), autocommit=True) as db:
+            db.execute("DROP TABLE titanic_requests")
 
 
 @pytest.mark.timeout(30)

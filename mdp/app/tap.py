@@ -623,13 +623,14 @@ class SPDeviceOptions(_ServiceOptions):
 
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
-    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:] [--concurrency N] "
+    synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:|postgresql://...] "
+                "[--concurrency N] "
                 "[--timeout SECONDS] [--keep SECONDS] [options]")
     longdesc = ("Run Titanic: the titanic.request, titanic.reply and titanic.close services and the "
                 "dispatcher that sends stored requests to their services.")
     optParameters: list[Any] = [
-        ["db", "d", "titanic.db", "SQLite database file (made if missing), or :memory: (lost with the "
-         "process)."],
+        ["db", "d", "titanic.db", "SQLite database file (made if missing), :memory: (lost with the "
+         "process), or a postgresql:// URL (a store several Titanics share)."],
         ["concurrency", "c", titanic_dispatcher.DEFAULT_CONCURRENCY,
          "Stored requests out to their services at once.", whole_option("concurrency", 1)],
         ["timeout", "t", titanic_dispatcher.DEFAULT_TIMEOUT,
@@ -647,13 +648,20 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
                 _bytes, 1),
         _option("max-request-bytes", titanic_server.DEFAULT_MAX_REQUEST_BYTES,
                 "Most bytes of request frames one submit may store; beyond, refused (400, 413).", _bytes, 1),
+        _option("lease", titanic_server.DEFAULT_LEASE, "Seconds a request this Titanic claimed in a "
+                "PostgreSQL store stays its own unless renewed: how long a dead Titanic's requests "
+                "wait for another.",
+                seconds_option, MIN_INTERVAL),
         _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY, "Seconds between two mmi.services "
                 "listings: how soon a service that appears is served.", seconds_option, MIN_INTERVAL),
     ]
+    optFlags = [["stamp", None, "Send each stored request with an idempotence stamp made of its id: "
+                 "workers with a reply store run it once, whichever Titanic sends it how often "
+                 "(for workers that take stamps: ours)."]]
 
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if not self["db"]:
-            raise usage.UsageError("--db: give a database file, or :memory:")
+            raise usage.UsageError("--db: give a database file, :memory: or a postgresql:// URL")
 
     def newService(self, metrics: Any) -> Any:
         initial = titanic_dispatcher.DEFAULT_BACKOFF.initial
@@ -661,5 +669,6 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
             self["brokers"], self["db"], workers=self["service-workers"],
             backoff=policy.Backoff(initial, max(self["backoff-max"], initial)),
             heartbeat=self.heartbeatPolicy(), limits=limits_of(self), exitOnFailure=True,
+            storeLease=self["lease"], stamp=bool(self["stamp"]),
             **keywords(self, "concurrency", "timeout", "keep", "max-store-bytes", "max-request-bytes",
                        "list-every"), **curve_client_of(self))

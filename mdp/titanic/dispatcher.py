@@ -8,6 +8,7 @@ import enum
 import inspect
 import json
 import math
+import uuid
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -21,6 +22,7 @@ from mdp.errors import ClientClosed, RemoteError, ReplyTooLarge, RequestTooLarge
 from mdp.machine import Machine, action_type
 from mdp.majordomo import mmi
 from mdp.majordomo.client import Client
+from mdp.majordomo.idempotence import STAMP_MARKER, stamp
 from mdp.messages import STATUS_TOO_LARGE, STATUS_WORKER_ERROR, error_body
 from mdp.policy import Backoff, Limits, LogThrottle, call_at, default_reactor, positive_seconds, whole_number
 from mdp.titanic.client import TRANSIENT
@@ -43,6 +45,8 @@ REPLY_RESERVE_FRAMES = 8
 DEFAULT_RECHECK = 5.0
 #: Seconds between two ``mmi.services`` listings: how soon a service that appears is served.
 DEFAULT_LIST_EVERY = 1.0
+#: Seconds between two reads of a store shared with other Titanics (at most half its lease).
+REREAD_EVERY = 1.0
 #: ``mmi.services`` unanswered this many times in a row: go on as without a listing.
 LIST_TRIES = 3
 
@@ -91,13 +95,17 @@ Action = Any
 class DispatchMachine(Machine):
     """Which stored request goes out when.  With *listEvery*, only the requests of the services the broker
     lists (asked that often) are read; without it, or without a full listing, each service is asked about
-    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own."""
+    (``mmi.workers``, ``mmi.service``) and parked with a backoff of its own.  With *rereadEvery*
+    (a store shared with other Titanics), the store is read that often besides: requests others
+    stored, or whose claims lapsed with a Titanic that died, are found."""
 
     def __init__(self, *, concurrency: int = DEFAULT_CONCURRENCY, backoff: Backoff = DEFAULT_BACKOFF,
                  keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
                  recheck: float = DEFAULT_RECHECK, window: Optional[int] = None,
-                 listEvery: Optional[float] = None, now: float = 0.0) -> None:
+                 listEvery: Optional[float] = None, rereadEvery: Optional[float] = None,
+                 now: float = 0.0) -> None:
         super().__init__(now)
+        self.rereadEvery = None if rereadEvery is None else positive_seconds("rereadEvery", rereadEvery)
         self.concurrency = whole_number("concurrency", concurrency)
         self.backoff = backoff
         self.keep = positive_seconds("keep", keep)
@@ -136,6 +144,7 @@ class DispatchMachine(Machine):
         self._unlisted = self.listEvery is not None
         self._listedAt = -math.inf  # when the last listing was asked for
         self._listFailures = 0  # in a row
+        self._nextReread: Optional[float] = None
 
     def handleStart(self, now: float) -> list[Action]:
         self.now = now
@@ -143,6 +152,7 @@ class DispatchMachine(Machine):
         self._dirty = True
         self._nextPurge = now
         self._nextList = None if self.listEvery is None else now
+        self._nextReread = None if self.rereadEvery is None else now
         return self._tick()
 
     def handleListed(self, listing: Optional[dict[bytes, int]], now: float) -> list[Action]:
@@ -341,6 +351,9 @@ class DispatchMachine(Machine):
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
+        if self._nextReread is not None and self.rereadEvery is not None and self._nextReread <= self.now:
+            self._dirty = True
+            self._nextReread = self.now + self.rereadEvery
         self._listIfDue()
         return self._pumped()
 
@@ -370,7 +383,7 @@ class DispatchMachine(Machine):
         held = self._placeQueue()
         if self._timeToRead():
             self._readPending(held)
-        due = (self._storeRetryAt, self._nextList, self._nextPurge)
+        due = (self._storeRetryAt, self._nextList, self._nextPurge, self._nextReread)
         parked = (e.until for e in self.services.values() if e.state is ServiceState.PARKED)
         self._setWake(min([*parked, *(when for when in due if when is not None)]))
 
@@ -513,25 +526,42 @@ def final_error_body(error: BaseException) -> Optional[list[bytes]]:
     return None
 
 
+def stamped(request: StoredRequest) -> list[bytes]:
+    """*request*'s frames with an idempotence stamp made of its id (the same from any Titanic
+    that sends it, each time), unless it came stamped or its id is not a UUID."""
+    if request.frames[:1] == [STAMP_MARKER]:
+        return request.frames
+    try:
+        clientId = uuid.UUID(request.id).bytes
+    except ValueError:
+        return request.frames
+    return stamp(clientId, 0, request.frames)
+
+
 class Dispatcher:
     """A :class:`DispatchMachine` driven with *store* and a client of *broker* (one endpoint
-    or a failover list); :meth:`stored` and :meth:`closed` are its events."""
+    or a failover list); :meth:`stored` and :meth:`closed` are its events.  With *stamp*, each
+    request goes out stamped with its id (:func:`stamped`): workers with a reply store run it
+    once however many Titanics, restarts or retries send it."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: ITitanicStore,
                  reactor: Optional[Any] = None, *, concurrency: int = DEFAULT_CONCURRENCY,
                  timeout: float = DEFAULT_TIMEOUT, backoff: Backoff = DEFAULT_BACKOFF,
                  keep: float = DEFAULT_KEEP, purgeEvery: float = DEFAULT_PURGE_EVERY,
                  recheck: float = DEFAULT_RECHECK, listEvery: Optional[float] = DEFAULT_LIST_EVERY,
-                 limits: Limits = Limits(), curveServerPublic: Optional[str] = None,
-                 curveSecret: Optional[str] = None) -> None:
+                 limits: Limits = Limits(), stamp: bool = False,
+                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         reactor = default_reactor(reactor)
+        self.stamp = stamp
         self._curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         if listEvery is not None and not _reads_by_service(store):
             log.warn("Titanic: the store's pending() takes no onlyServices: reading every request")
             listEvery = None
+        lease = getattr(store, "lease", None)  # shared with other Titanics: read theirs too
         self.machine = DispatchMachine(concurrency=concurrency, backoff=backoff, keep=keep,
-                                       purgeEvery=purgeEvery, recheck=recheck,
-                                       listEvery=listEvery, now=reactor.seconds())
+                                       purgeEvery=purgeEvery, recheck=recheck, listEvery=listEvery,
+                                       rereadEvery=None if lease is None else min(REREAD_EVERY, lease / 2),
+                                       now=reactor.seconds())
         self.reactor = reactor
         self.store = store
         self.timeout = timeout
@@ -712,7 +742,8 @@ class Dispatcher:
                 replied(body)
 
         try:
-            d = self.client.request(request.service, *request.frames, onPartial=take, onRestart=restart)
+            frames = stamped(request) if self.stamp else request.frames
+            d = self.client.request(request.service, *frames, onPartial=take, onRestart=restart)
         except (ValueError, TypeError) as e:  # over this client's limits, or cannot be sent
             return replied(final_error_body(e) or error_body(
                 STATUS_WORKER_ERROR, f"the stored request cannot be sent: {e}"))

@@ -14,7 +14,14 @@ from mdp.majordomo.worker import Worker
 from mdp.policy import DEFAULT_MAX_MESSAGE_BYTES, PIRATE, Backoff, HeartbeatPolicy, Limits, default_reactor
 from mdp.titanic import dispatcher, protocol
 from mdp.titanic.dispatcher import Dispatcher
-from mdp.titanic.store import DEFAULT_MAX_STORE_BYTES, ITitanicStore, ReplyStatus, open_store, report_failure
+from mdp.titanic.store import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_STORE_BYTES,
+    ITitanicStore,
+    ReplyStatus,
+    open_store,
+    report_failure,
+)
 
 log = Logger()
 
@@ -133,8 +140,8 @@ class TitanicServer:
 
 class Titanic:
     """A whole Titanic: the three services, the dispatcher and the store.  *store* is an
-    :class:`~mdp.titanic.store.ITitanicStore` or a database path (:func:`open_store`, with
-    *maxStoreBytes*), opened in :meth:`start` and closed in :meth:`stop`."""
+    :class:`~mdp.titanic.store.ITitanicStore` or a database path or URL (:func:`open_store`, with
+    *maxStoreBytes* and *storeLease*), opened in :meth:`start` and closed in :meth:`stop`."""
 
     def __init__(self, broker: Union[str, Sequence[str]], store: Union[str, ITitanicStore],
                  reactor: Optional[Any] = None, *, concurrency: int = dispatcher.DEFAULT_CONCURRENCY,
@@ -144,15 +151,16 @@ class Titanic:
                  listEvery: Optional[float] = dispatcher.DEFAULT_LIST_EVERY,
                  workers: int = DEFAULT_SERVICE_WORKERS, heartbeat: HeartbeatPolicy = HeartbeatPolicy(),
                  limits: Limits = Limits(), maxRequestBytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES,
-                 curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
+                 maxStoreBytes: int = DEFAULT_MAX_STORE_BYTES, storeLease: float = DEFAULT_LEASE,
+                 stamp: bool = False, curveServerPublic: Optional[str] = None,
+                 curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
-        self.store = (open_store(store, self.reactor, maxBytes=maxStoreBytes)
+        self.store = (open_store(store, self.reactor, maxBytes=maxStoreBytes, lease=storeLease)
                       if isinstance(store, str) else store)
         curve = {"curveServerPublic": curveServerPublic, "curveSecret": curveSecret}
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
                                      timeout=timeout, backoff=backoff, keep=keep, purgeEvery=purgeEvery,
-                                     listEvery=listEvery, limits=limits, **curve)
+                                     listEvery=listEvery, limits=limits, stamp=stamp, **curve)
         self.server = TitanicServer(broker, self.store, self.reactor, onStored=self.dispatcher.stored,
                                     onClosed=self.dispatcher.closed, workers=workers, heartbeat=heartbeat,
                                     limits=limits, maxRequestBytes=maxRequestBytes, **curve)

@@ -30,13 +30,16 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import Interface, implementer, implementer_only
 
-from mdp.errors import ProtocolError, StoreError
+from mdp.errors import ProtocolError, StoreError, StoreUnavailable
 from mdp.policy import Limits, default_reactor, whole_number
 from mdp.titanic.protocol import MalformedTitanicRequest, TitanicStoreFull, parse_request
 from mdp.transport.framing import decode_record, encode_record
 
 #: Bytes a store may hold (its pages in use) before new requests are refused.
 DEFAULT_MAX_STORE_BYTES = 1024**3
+#: Seconds a shared store's claim on a request lasts unless renewed (every third of it, while
+#: the store is open): how long the requests of a Titanic that died wait for another.
+DEFAULT_LEASE = 30.0
 
 
 class ReplyStatus(enum.Enum):
@@ -155,6 +158,8 @@ log = Logger()
 
 def report_failure(logger: Logger, failure: Failure, format: str, **fields: Any) -> None:
     """Log a store's own error in one line, anything else (a bug) with its traceback."""
+    if failure.check(StoreUnavailable):
+        return  # the store logs once that its database is out of reach, and once that it is back
     if failure.check(StoreError, sqlite3.Error):
         logger.error(format + ": {reason}", reason=failure.getErrorMessage(), **fields)
     else:
@@ -194,6 +199,18 @@ def _request_frames(requestId: Any, service: Any, blob: Any, crc: Any) -> tuple[
     except (ProtocolError, ValueError, TypeError):  # TypeError: not a blob
         return [], None
     return frames, None
+
+
+def _reply_frames(path: str, requestId: str, record: Any, crc: Any) -> list[bytes]:
+    """The frames of a stored reply; :class:`StoreError` if it fails its checksum or
+    cannot be decoded."""
+    why = "its checksum does not match"
+    if crc is None or _intact(crc, record):
+        try:
+            return decode_record(memoryview(record)[4:], _UNBOUNDED)
+        except (ProtocolError, ValueError, TypeError) as e:
+            why = str(e)
+    raise StoreError(f"Titanic store {path}: the stored reply to {requestId} is damaged: {why}")
 
 
 def _stored(row: tuple[Any, ...]) -> StoredRequest:
@@ -671,13 +688,7 @@ class SQLiteStore:
         record, crc = row
         if record is None:
             return ReplyStatus.PENDING, []
-        why = "its checksum does not match"
-        if crc is None or _intact(crc, record):
-            try:
-                return ReplyStatus.DONE, decode_record(memoryview(record)[4:], _UNBOUNDED)
-            except (ProtocolError, ValueError, TypeError) as e:
-                why = str(e)
-        raise StoreError(f"Titanic store {self.path}: the stored reply to {requestId} is damaged: {why}")
+        return ReplyStatus.DONE, _reply_frames(self.path, requestId, record, crc)
 
     def forget(self, requestId: str) -> defer.Deferred[None]:
         self._rows.pop(requestId, None)
@@ -716,9 +727,17 @@ class MemoryStore(SQLiteStore):
 
 
 def open_store(db: str, reactor: Optional[Any] = None, *,
-               maxBytes: int = DEFAULT_MAX_STORE_BYTES) -> ITitanicStore:
-    """The store for *db*: ``":memory:"`` is the memory store, anything else a
-    SQLite file path (made if missing); either holds at most *maxBytes*."""
+               maxBytes: int = DEFAULT_MAX_STORE_BYTES, lease: float = DEFAULT_LEASE) -> ITitanicStore:
+    """The store for *db*: ``":memory:"`` is the memory store, a ``postgresql://`` URL a
+    PostgreSQL database (whose claims last *lease* seconds), anything else a SQLite file
+    path (made if missing); each holds at most *maxBytes*."""
+    if db.startswith(("postgresql://", "postgres://")):
+        try:
+            from mdp.titanic.pgstore import PostgresStore
+        except ImportError as e:
+            raise ValueError(f"a PostgreSQL store needs psycopg 3: pip install 'txmajordomo[postgres]' "
+                             f"({e})") from None
+        return PostgresStore(db, reactor, maxBytes=maxBytes, lease=lease)
     if db == ":memory:":
         return MemoryStore(maxBytes=maxBytes)
     if not db:
