@@ -654,6 +654,11 @@ EXCLUDED: dict[str, str] = {
     '.venv/bin/python -m benchmarks --repeat 3 --only "sync 4x4" pipelined':
         "three rounds of benchmarks, about a minute",
     "tox -e bench": "the full benchmark suite in a tox environment",
+    "pip install -e '.[postgres]'":
+        "installs into the environment the tests run in (the test extra has psycopg too)",
+    "twist mdp-titanic --broker tcp:broker-a:5555 --db 'postgresql://titanic:SECRET@db-host/titanic' "
+    "--stamp": "needs a PostgreSQL server at db-host; tests/test_titanic_postgres.py runs two such "
+               "Titanics on a private server",
     ".venv/bin/python -m benchmarks.titanic --repeat 3": "three rounds of benchmarks, about a minute",
     "spark-submit --master yarn --py-files mdp.zip examples/spark_enrich.py "
     "--broker zmq:tcp://broker.internal:5555 --input hdfs:///in.parquet --output hdfs:///out.parquet":

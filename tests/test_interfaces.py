@@ -189,6 +189,12 @@ def _sqlite_store() -> Any:
     return SQLiteStore(":memory:", _clock())
 
 
+def _postgres_store() -> Any:
+    from mdp.titanic.pgstore import PostgresStore
+
+    return PostgresStore("postgresql://titanic@/titanic?host=/nowhere", _clock())  # (not opened)
+
+
 def _binarystar() -> Any:
     from mdp.binarystar import BinaryStar
 
@@ -317,6 +323,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {
     "mdp.session.transport.SessionServer": _session_server,
     "mdp.titanic.store.MemoryStore": _bare("mdp.titanic.store.MemoryStore"),
     "mdp.titanic.store.SQLiteStore": _sqlite_store,
+    "mdp.titanic.pgstore.PostgresStore": _postgres_store,
 }
 
 
