@@ -31,7 +31,7 @@ LONGEST_FIRST = (
     "test_hostile_processes.py", "test_compiled.py", "test_cli_first_minutes.py",
     "test_titanic_faults.py", "test_harmony_netns.py", "test_freelance.py", "test_zmq_frames.py",
     "test_docs_snippets.py", "test_blocking_edges.py", "test_processes.py", "test_security.py",
-    "test_readme_recipes.py", "test_first_hour_cli.py",
+    "test_readme_recipes.py", "test_first_hour_cli.py", "test_titanic_postgres.py",
 )
 
 

@@ -470,3 +470,33 @@ def test_with_a_listing_only_listed_services_are_read_sent_or_asked_about(
     assert kinds(actions, Parked) == []
     held = [r.service for r in machine.queue + machine._spare]
     assert all(s in listing for s in held) and set(machine.services) <= set(listing)
+
+
+@pytest.mark.parametrize("rereadEvery", [None, 1.0])
+def test_a_store_shared_with_other_titanics_is_read_again_on_its_own(rereadEvery: Any) -> None:
+    """What another Titanic stored, or held when it died, is found within *rereadEvery*;
+    a store of one's own is read only when something happened."""
+    machine = DispatchMachine(backoff=Backoff(1.0, 8.0), keep=100.0, purgeEvery=60.0,
+                              rereadEvery=rereadEvery)
+    actions = machine.handleStart(0.0)
+    (load,) = kinds(actions, LoadPending)
+    actions += machine.handleLoaded([], load.limit, 0.1)
+    assert kinds(actions, LoadPending) == [load]
+    assert kinds(actions, WakeAt)[-1].when == (1.0 if rereadEvery else 60.0)
+    actions = machine.handleWake(1.0)
+    assert len(kinds(actions, LoadPending)) == (1 if rereadEvery else 0)
+
+
+def test_a_stamp_made_of_the_request_id_is_the_same_from_any_titanic() -> None:
+    import uuid
+
+    from mdp.majordomo.idempotence import stamp, unstamp
+    from mdp.titanic.dispatcher import stamped
+
+    request = StoredRequest(str(uuid.uuid4()), b"s", [b"a", b""], 1.0)
+    key, frames = unstamp(stamped(request))
+    assert key is not None and key[0] == uuid.UUID(request.id).bytes and frames == [b"a", b""]
+    assert stamped(request) == stamped(StoredRequest(request.id, b"s", [b"a", b""], 9.0))
+    came = stamp(b"c" * 16, 7, [b"a"])  # stamped by its own client: kept as it came
+    assert stamped(StoredRequest(request.id, b"s", came, 1.0)) == came
+    assert stamped(StoredRequest("id-1", b"s", [b"a"], 1.0)) == [b"a"]  # not a UUID: as it is

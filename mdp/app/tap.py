@@ -650,8 +650,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
                 "Most bytes of request frames one submit may store; beyond, refused (400, 413).", _bytes, 1),
         _option("lease", titanic_server.DEFAULT_LEASE, "Seconds a request this Titanic claimed in a "
                 "PostgreSQL store stays its own unless renewed: how long a dead Titanic's requests "
-                "wait for another.",
-                seconds_option, MIN_INTERVAL),
+                "wait for another.", seconds_option, 1.0),
         _option("list-every", titanic_dispatcher.DEFAULT_LIST_EVERY, "Seconds between two mmi.services "
                 "listings: how soon a service that appears is served.", seconds_option, MIN_INTERVAL),
     ]

@@ -161,6 +161,8 @@ class Titanic:
         self.dispatcher = Dispatcher(broker, self.store, self.reactor, concurrency=concurrency,
                                      timeout=timeout, backoff=backoff, keep=keep, purgeEvery=purgeEvery,
                                      listEvery=listEvery, limits=limits, stamp=stamp, **curve)
+        if hasattr(self.store, "onLost"):  # a shared store: what another took over is not sent
+            self.store.onLost = self.dispatcher.closed
         self.server = TitanicServer(broker, self.store, self.reactor, onStored=self.dispatcher.stored,
                                     onClosed=self.dispatcher.closed, workers=workers, heartbeat=heartbeat,
                                     limits=limits, maxRequestBytes=maxRequestBytes, **curve)
