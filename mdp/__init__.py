@@ -49,6 +49,7 @@ _HOMES = {name: home for home, names in {
     "mdp.app.service": ("BrokerService", "WorkerService"), "mdp.binarystar": ("BinaryStar",),
     "mdp.majordomo.broker": ("Broker",), "mdp.majordomo.client": ("Client", "ReplyStream"),
     "mdp.majordomo.idempotence": ("MemoryReplyStore",), "mdp.majordomo.worker": ("Final", "Worker"),
+    "mdp.majordomo.spread": ("SpreadClient",),
     "mdp.policy": ("Backoff", "HeartbeatPolicy", "Limits"), "mdp.uvreactor": ("react",),
     "mdp.handlers": ("cancelled", "current_deadline"),
     "mdp.errors": ("BrokerUnreachable", "ClientClosed", "DeadlineExceeded", "MDPError", "MessageTooLarge",
@@ -62,8 +63,8 @@ __all__ = [
     "DeadlineExceeded", "Final", "HeartbeatPolicy", "Limits", "MDPError", "MemoryReplyStore",
     "MessageTooLarge", "NoServerAvailable", "ProtocolError", "RemoteError", "ReplyStream", "ReplyTooLarge",
     "RequestCancelled", "RequestTimeout", "RequestTooLarge", "ServiceOverloaded", "ServiceUnavailable",
-    "StreamRestarted", "TransportError", "Worker", "WorkerError", "WorkerService", "cancelled",
-    "current_deadline", "react"]
+    "SpreadClient", "StreamRestarted", "TransportError", "Worker", "WorkerError", "WorkerService",
+    "cancelled", "current_deadline", "react"]
 
 
 #: submodules also loaded when first used as ``mdp.NAME``

@@ -26,6 +26,7 @@ from mdp.majordomo import mmi
 from mdp.majordomo.broker import Broker
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
 from mdp.majordomo.codec import api_service_name, check_dialect
+from mdp.majordomo.spread import SpreadClient
 from mdp.majordomo.worker import Worker
 from mdp.titanic.client import TRANSIENT, TitanicClient
 from mdp.transport import curve
@@ -125,6 +126,8 @@ class CallOptions(_RequestOptions):
                 "At least one FRAME, except for mmi.* queries.")
     optParameters: list[Any] = [["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.",
                                  check_dialect]]
+    optFlags = [["side-by-side", None, "The brokers run side by side (not a failover list): send to "
+                 "the one with the fewest requests out, another on a failed attempt; stamped."]]
 
 
 #: seconds between refreshes of ``mdp status --watch`` given no number
@@ -137,6 +140,8 @@ class StatusOptions(_ClientOptions):
                 "state, seconds since last heard from), from mmi.services and mmi.workers.")
     optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
                                  "2 with --watch alone]", tap.seconds_option("watch")]]
+    optFlags = [["side-by-side", None, "The brokers run side by side (not a failover list): each "
+                 "broker's tables, then the services of all of them summed."]]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -400,13 +405,14 @@ def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
-    # (MMI only: the extensions would not be used)
-    client = Client(options["brokers"], reactor, timeout=options["timeout"],
-                    retries=options["retries"], extensions=False, **tap.curve_client_of(options))
+    # (MMI only: the extensions would not be used); side by side, a client of each broker
+    brokers = [[b] for b in options["brokers"]] if options["side-by-side"] else [options["brokers"]]
+    clients = [Client(endpoints, reactor, timeout=options["timeout"], retries=options["retries"],
+                      extensions=False, **tap.curve_client_of(options)) for endpoints in brokers]
     watch = options["watch"]
     try:
         while True:
-            lines = await _report(client, options)
+            lines = await _reports(clients, options)
             if lines is None and watch is None:
                 raise SystemExit(1)
             if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
@@ -415,13 +421,48 @@ async def status(reactor: Any, options: Any) -> None:
                 return
             await task.deferLater(reactor, watch)
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
 
 
-async def _report(client: Any, options: Any) -> Optional[list[str]]:
+async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
+    """One client's report; side by side, each broker's and then the services of those that
+    answered summed (None if none did: stderr says why)."""
+    if not options["side-by-side"]:
+        report = await _report(clients[0], options)
+        return None if report is None else report[0]
+    lines: list[str] = []
+    total: dict[str, list[int]] = {}
+    answered = 0
+    for client in clients:
+        report = await _report(client, options, alone=False)
+        if report is None:  # (stderr said why)
+            lines += [f"broker {client.endpoint}: no answer", ""]
+            continue
+        answered += 1
+        shown, services = report
+        lines += [*shown, ""]
+        for name, entry in json.loads(services[0]).items():
+            counts = total.setdefault(name, [0, 0, 0])
+            for n, key in enumerate(("workers", "idle", "queued")):
+                counts[n] += entry[key]
+    rows = [(name, w, idle, w - idle, queued) for name, (w, idle, queued) in sorted(total.items())]
+    if not answered:
+        return None
+    heard = f"all {len(clients)} brokers" if answered == len(clients) else \
+        f"the {answered} of {len(clients)} brokers that answered"
+    return [*lines, heard, "",
+            *(table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4))
+              if rows else ["no services"])]
+
+
+async def _report(client: Any, options: Any, alone: bool = True
+                  ) -> Optional[tuple[list[str], list[bytes]]]:
     """The lines of one report, or None once stderr says why there are none."""
+    """The lines of one broker's (or failover list's) report, with its ``mmi.services`` reply;
+    None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
-    if idle is not None and len(options["brokers"]) == 1:  # the tables would go unanswered
+    if idle is not None and (len(options["brokers"]) == 1 or not alone):  # no tables would come
         error(f"mdp status: {idle}")
         return None
     try:
@@ -431,7 +472,7 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
         error(f"mdp status: {e}" + (f"; {idle}" if idle is not None else ""))
         return None
     except MDPError as e:
-        brokers = options["brokers"]
+        brokers = client.endpoints
         error(f"mdp status: broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}")
         return None
     try:
@@ -439,7 +480,7 @@ async def _report(client: Any, options: Any) -> Optional[list[str]]:
     except ValueError as e:
         error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
         raise SystemExit(1) from None
-    return [f"broker {client.endpoint}", ""] + tables
+    return [f"broker {client.endpoint}", ""] + tables, services
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:
@@ -470,6 +511,16 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
+    if options["side-by-side"]:
+        spread = SpreadClient(options["brokers"], reactor, timeout=options["timeout"],
+                              retries=options["retries"], dialect=options["dialect"], extensions=False,
+                              **tap.curve_client_of(options))
+        try:
+            reply = await spread.request(options["service"], *options["frames"])
+        finally:
+            await spread.close()
+        emit(*map(show, reply))
+        return
     # (one request: asking for the extensions would come after it)
     client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
                     dialect=options["dialect"], extensions=False, **tap.curve_client_of(options))

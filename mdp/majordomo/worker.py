@@ -493,9 +493,23 @@ class WorkerDriver:
         self._perform(self.machine.handleConnectFailed(error, now))
 
 
+#: How a worker given several brokers attaches: to one at a time, the others a failover list
+#: (``"one"``), or to all of them side by side, its sessions spread over them (``"all"``).
+ATTACH_MODES = ("one", "all")
+
+
+def spread_over(endpoints: Sequence[str], session: int) -> list[str]:
+    """The failover list of worker session *session* attached to all of *endpoints*: each
+    session starts at its own broker, in turn, and moves on to the next when that one goes."""
+    first = session % len(endpoints)
+    return [*endpoints[first:], *endpoints[:first]]
+
+
 class Worker(WorkerDriver):
     """An MDP/0.2 worker for one *service* over a real transport, one broker at a time
-    (docs/mdp.md); with *concurrency* N, N worker sessions (this one first, in :attr:`sessions`)."""
+    (docs/mdp.md); with *concurrency* N, N worker sessions (this one first, in :attr:`sessions`).
+    With ``attach="all"`` and several brokers, the sessions are spread over the brokers side by
+    side (:func:`spread_over`): never more than N requests in hand over all of them."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, *,
@@ -503,8 +517,16 @@ class Worker(WorkerDriver):
                  dialect: str = codec.RFC, replies: Optional[idempotence.IReplyStore] = None,
                  limits: Limits = Limits(), metrics: Optional[Any] = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
-                 concurrency: int = 1, extensions: bool = True) -> None:
+                 concurrency: int = 1, extensions: bool = True, attach: str = "one") -> None:
         whole_number("concurrency", concurrency)
+        if attach not in ATTACH_MODES:
+            raise ValueError(f"attach must be one of {', '.join(ATTACH_MODES)}, not {attach!r}")
+        endpoints = transport.endpoint_list(endpoint)
+        if attach == "all" and concurrency < len(endpoints):
+            raise ValueError(f"attach='all' to {len(endpoints)} brokers needs a concurrency of at "
+                             f"least {len(endpoints)} (a session for each), not {concurrency}")
+        if attach == "all":
+            endpoint = endpoints
         reactor = default_reactor(reactor)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret,
@@ -533,8 +555,9 @@ class Worker(WorkerDriver):
         self.owner = self
         if concurrency > 1:
             self.links = {}
-            for _ in range(concurrency - 1):
-                session = Worker(endpoint, service, handler, reactor, replies=replies,
+            for index in range(1, concurrency):
+                failover = spread_over(endpoints, index) if attach == "all" else endpoint
+                session = Worker(failover, service, handler, reactor, replies=replies,
                                  metrics=metrics, **options)
                 session.links, session.owner = self.links, self
                 session.readyLogLevel = LogLevel.debug

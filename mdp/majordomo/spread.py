@@ -1,0 +1,107 @@
+"""A client of several brokers side by side (docs/deployment.md): brokers that share nothing,
+with workers attached to all of them (``Worker(..., attach="all")``).  Each request goes to the
+broker with the fewest of this client's requests out, among those that have not failed it
+lately; an attempt that fails for want of its broker (a timeout, no connection, no worker there)
+is tried on another, under the usual retry rules.  Requests are stamped once, with the same stamp
+on every broker, so a worker with a reply store runs a request tried twice once."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import uuid
+from collections import Counter
+from typing import Any, Optional, Sequence, Union
+
+from twisted.internet import defer
+
+from mdp import transport
+from mdp.errors import (
+    BrokerUnreachable,
+    DeadlineExceeded,
+    RequestTimeout,
+    ServiceOverloaded,
+    ServiceUnavailable,
+    TransportError,
+)
+from mdp.majordomo.client import Client
+from mdp.majordomo.client_machine import DEFAULT_RETRIES, DEFAULT_TIMEOUT, _check_attempts
+from mdp.majordomo.idempotence import stamp
+from mdp.policy import default_reactor, positive_seconds
+
+#: Failures of one attempt after which the request is tried on another broker.
+RETRY_ELSEWHERE = (RequestTimeout, BrokerUnreachable, TransportError, ServiceUnavailable,
+                   ServiceOverloaded, DeadlineExceeded)
+#: Seconds a broker that failed an attempt is passed over while another has not.
+DEFAULT_AVOID = 5.0
+
+
+def least_outstanding(endpoints: Sequence[str], outstanding: Counter[str], failedAt: dict[str, float],
+                      now: float, avoid: float, turn: int) -> str:
+    """The broker for the next attempt: of those that have not failed in the last *avoid*
+    seconds (all, if every one has), the one with the fewest *outstanding*; ties go round,
+    starting at broker *turn*."""
+    start = turn % len(endpoints)
+    order = [*endpoints[start:], *endpoints[:start]]
+    fresh = [e for e in order if now - failedAt.get(e, -math.inf) >= avoid] or order
+    return min(fresh, key=lambda e: outstanding[e])
+
+
+class SpreadClient:
+    """A :class:`~mdp.Client` of each of *endpoints* (brokers side by side).  A request makes
+    up to *retries* attempts (as a Client's *retries* counts them) of *timeout* seconds each,
+    each to the broker :func:`least_outstanding` picks.  *options* are each
+    :class:`~mdp.Client`'s (``stamp`` is this one's)."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES, stamp: bool = True,
+                 avoid: float = DEFAULT_AVOID, **options: Any) -> None:
+        _check_attempts(timeout, retries)
+        self.reactor = default_reactor(reactor)
+        self.endpoints = transport.endpoint_list(endpoints)
+        self.retries = retries
+        self.stamp = stamp
+        self.avoid = positive_seconds("avoid", avoid)
+        #: each broker's client
+        self.clients = {e: Client(e, self.reactor, timeout=timeout, retries=1, **options)
+                        for e in self.endpoints}
+        #: requests out at each broker now, and sent to it in all
+        self.outstanding: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()
+        self._failedAt: dict[str, float] = {}
+        self._turns = itertools.count()
+        self._clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count()
+
+    def request(self, service: Union[str, bytes], *frames: Any, timeout: Optional[float] = None,
+                retries: Optional[int] = None) -> defer.Deferred[list[bytes]]:
+        """The reply of *service* to *frames*, from whichever broker's workers serve it."""
+        name = service.encode() if isinstance(service, str) else bytes(service)
+        body = list(frames)
+        if self.stamp and not name.startswith(b"mmi."):
+            body = stamp(self._clientId, next(self._sequence), body)
+        attempts = self.retries if retries is None else retries
+        return defer.ensureDeferred(self._request(service, body, timeout, attempts))
+
+    async def _request(self, service: Union[str, bytes], body: list[Any], timeout: Optional[float],
+                       attempts: int) -> list[bytes]:
+        failure: Optional[Exception] = None
+        for _ in range(attempts):
+            endpoint = least_outstanding(self.endpoints, self.outstanding, self._failedAt,
+                                         self.reactor.seconds(), self.avoid, next(self._turns))
+            self.outstanding[endpoint] += 1
+            self.sent[endpoint] += 1
+            try:
+                return await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
+            except RETRY_ELSEWHERE as e:
+                failure = e
+                self._failedAt[endpoint] = self.reactor.seconds()
+            finally:
+                self.outstanding[endpoint] -= 1
+        assert failure is not None
+        raise failure
+
+    def close(self) -> defer.Deferred[None]:
+        """Close each broker's client (what is in flight fails with ClientClosed)."""
+        closing = [client.close() for client in self.clients.values()]
+        return defer.gatherResults(closing, consumeErrors=True).addCallback(lambda _: None)

@@ -1,0 +1,105 @@
+"""Brokers side by side: workers attached to all of them (their sessions spread, never more
+requests in hand than their concurrency), and a client that spreads its requests over them
+and, when one goes, sends them to the others."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import pytest_twisted
+
+from mdp.majordomo.spread import least_outstanding
+from mdp.majordomo.worker import spread_over
+
+
+def test_the_broker_with_the_fewest_requests_out_is_chosen_and_ties_go_round() -> None:
+    brokers = ["a", "b", "c"]
+    assert least_outstanding(brokers, Counter(a=2, b=1, c=3), {}, 0.0, 5.0, 0) == "b"
+    assert [least_outstanding(brokers, Counter(), {}, 0.0, 5.0, turn) for turn in range(4)] == [
+        "a", "b", "c", "a"]
+
+
+def test_a_broker_that_failed_lately_is_passed_over_unless_every_one_did() -> None:
+    brokers = ["a", "b"]
+    assert least_outstanding(brokers, Counter(b=5), {"a": 9.0}, 10.0, 5.0, 0) == "b"
+    assert least_outstanding(brokers, Counter(b=5), {"a": 4.0}, 10.0, 5.0, 0) == "a"  # long ago
+    assert least_outstanding(brokers, Counter(b=5), {"a": 9.0, "b": 9.5}, 10.0, 5.0, 0) == "a"
+
+
+def test_a_workers_sessions_attached_to_all_start_each_at_its_own_broker() -> None:
+    from mdp import Worker
+
+    assert [spread_over(["a", "b"], n)[0] for n in range(4)] == ["a", "b", "a", "b"]
+    worker = Worker(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], "echo", lambda f: f,
+                    concurrency=4, attach="all")
+    assert [s.machine.endpoint[-1] for s in worker.sessions] == ["1", "2", "1", "2"]
+    assert all(len(s.machine.endpoints) == 2 for s in worker.sessions)  # each fails over
+    with pytest.raises(ValueError, match="concurrency of at least 2"):
+        Worker(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], "echo", lambda f: f, attach="all")
+    with pytest.raises(ValueError, match="attach must be one of"):
+        Worker("tcp:127.0.0.1:1", "echo", lambda f: f, attach="both")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["tcp", "zmq"])
+@pytest_twisted.ensureDeferred
+async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str) -> None:
+    """Two brokers, two workers of concurrency 2 attached to both, a client of both: each
+    broker gets a share; one broker closed under load, every request is answered and no
+    worker ever holds more than 2."""
+    from twisted.internet import defer, task
+
+    from mdp import Broker, SpreadClient, Worker
+    from mdp.policy import HeartbeatPolicy
+    from tests.conftest import RealNet
+
+    net = RealNet(kind)
+    heartbeat = HeartbeatPolicy(0.1, 3)
+    try:
+        brokers, endpoints = [], []
+        for _ in range(2):
+            broker = Broker(net.reactor, heartbeat=heartbeat)
+            net.addCleanup(broker.close)
+            brokers.append(broker)
+            endpoints.append((await broker.listen(net.bindEndpoint())).endpoint)
+        most: Counter[str] = Counter()
+        held: Counter[str] = Counter()
+
+        def handler_of(name: str) -> Any:
+            async def handle(frames: list[bytes]) -> list[bytes]:
+                held[name] += 1
+                most[name] = max(most[name], held[name])
+                try:
+                    await task.deferLater(net.reactor, 0.002, lambda: None)
+                    return frames
+                finally:
+                    held[name] -= 1
+            return handle
+
+        for name in ("w1", "w2"):
+            worker = Worker(endpoints, "echo", handler_of(name), net.reactor, heartbeat=heartbeat,
+                            concurrency=2, attach="all")
+            worker.start()
+            net.addCleanup(worker.stop)
+        await net.until(lambda: all(b.machine.services.get(b"echo") is not None and
+                                    b.machine.services[b"echo"].workers == 2 for b in brokers),
+                        timeout=10)
+        client = SpreadClient(endpoints, net.reactor, timeout=0.5, retries=3)
+        net.addCleanup(client.close)
+
+        async def load(start: int) -> None:
+            replies = await defer.gatherResults(
+                [client.request("echo", b"%d" % n) for n in range(start, start + 200)])
+            assert replies == [[b"%d" % n] for n in range(start, start + 200)]
+
+        await load(0)
+        assert min(client.sent.values()) >= 40, client.sent  # both took a share
+        going = load(200)
+        await brokers[1].close()
+        await going
+        await load(400)  # all through the broker left
+        assert max(most.values()) <= 2, most
+    finally:
+        await net.cleanup()
