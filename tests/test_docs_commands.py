@@ -429,6 +429,30 @@ async def titanic_run_it(sh: Shell, c: Any) -> None:
 
 
 @scenario(
+    a="twist mdp-broker --endpoint zmq:tcp://127.0.0.1:5555",
+    b="twist mdp-broker --endpoint zmq:tcp://127.0.0.1:5556",
+    worker="twist mdp-worker --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556 "
+           "--attach all --concurrency 4 --service echo --handler echo",
+    call="mdp call --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556 "
+         "--side-by-side echo hello",
+    status="mdp status --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556 "
+           "--side-by-side")
+async def deployment_side_by_side(sh: Shell, c: Any) -> None:
+    """docs/deployment.md: a worker attached to two brokers, a call and the summed status."""
+    sh.port(5555)
+    sh.port(5556)
+    a = await sh.start(c.a, BROKER_READY)
+    b = await sh.start(c.b, BROKER_READY)
+    await sh.start(c.worker, WORKER_READY)
+    for broker in (a, b):  # two sessions at each
+        await wait_until(lambda broker=broker: broker.output.count(b"ready for echo") >= 2, 30)
+    assert (await sh.run(c.call))[-1] == "hello"
+    lines = await sh.run(c.status)
+    total = lines.index("all 2 brokers")
+    assert [line.split()[:2] for line in lines[total:] if line.startswith("echo")] == [["echo", "4"]]
+
+
+@scenario(
     rep="twist sp-rep --endpoint tcp://127.0.0.1:5555 --handler echo",
     device="twist sp-device --front tcp://127.0.0.1:5556 --back tcp://127.0.0.1:5555",
     request="mdp sp-request --endpoint tcp://127.0.0.1:5556 hello",

@@ -103,3 +103,67 @@ async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str
         assert max(most.values()) <= 2, most
     finally:
         await net.cleanup()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_a_broker_killed_under_load_loses_no_request_and_no_worker_holds_more(
+        tmp_path: Any) -> None:
+    """The target: 2 brokers side by side, 4 workers of concurrency 4 attached to both, 4
+    clients; SIGKILL one broker under load: every request completes, the longest wait for a
+    reply is under the heartbeat expiry, and no worker ever holds more than 4."""
+    import os
+    import signal
+
+    from twisted.internet import defer
+
+    from mdp import SpreadClient
+    from tests.procs import ENV, Process, reactor, script, twist_broker, wait_until
+
+    heartbeat = ("--heartbeat", "0.5", "--liveness", "4")  # expiry: 2 s
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    procs: list[Process] = []
+    clients: list[Any] = []
+    try:
+        endpoints = []
+        for _ in range(2):
+            broker, endpoint = await twist_broker(reactor(), "tcp:0:interface=127.0.0.1", *heartbeat)
+            procs.append(broker)
+            endpoints.append(endpoint)
+        brokers = [option for e in endpoints for option in ("--broker", e)]
+        for _ in range(4):
+            procs.append(Process(reactor(), [
+                script("twist"), "--log-format", "text", "mdp-worker", *brokers, "--attach", "all",
+                "--concurrency", "4", "--service", "work", "--handler",
+                "tests.handlers_for_tests:held_tagged", *heartbeat, "--backoff-max", "1"],
+                {**ENV, "MDP_TEST_RUNS": str(runs)}))
+        # each broker: 2 sessions of each worker
+        await wait_until(lambda: all(p.output.count(b"ready for work") >= 8 for p in procs[:2]), 30)
+        clients = [SpreadClient(endpoints, reactor(), timeout=0.5, retries=6) for _ in range(4)]
+        answered: list[float] = []
+        wrong: list[Any] = []
+
+        async def steady(client: Any, first: int) -> None:
+            for n in range(first, first + 600, 8):  # 8 out at a time per client
+                replies = await defer.gatherResults(
+                    [client.request("work", b"%d" % m) for m in range(n, n + 8)])
+                answered.append(reactor().seconds())
+                wrong.extend(r for m, r in zip(range(n, n + 8), replies) if r[1:] != [b"%d" % m])
+
+        load = defer.gatherResults([defer.ensureDeferred(steady(c, 1000 * i))
+                                    for i, c in enumerate(clients)])
+        await wait_until(lambda: len(answered) >= 100, 30)
+        procs[1].signalProcess(signal.SIGKILL)
+        await load
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        assert len(answered) == 4 * 75 and not wrong
+        assert max(gaps) < 2.0, max(gaps)
+        most = [int((runs / name).read_text()) for name in os.listdir(runs)]
+        assert len(most) == 4 and max(most) <= 4, most
+        assert all(c.sent[endpoints[0]] > 0 and c.sent[endpoints[1]] > 0 for c in clients)
+    finally:
+        for client in clients:
+            await client.close()
+        for proc in procs:
+            await proc.stop()

@@ -1,0 +1,154 @@
+"""Brokers side by side: what a broker costs per request when two share the load, against one
+broker carrying it all, on this machine (docs/deployment.md, "Capacity").
+
+    python -m benchmarks.side_by_side [--rounds 5] [--n 20000] [--window 64] [--json FILE]
+
+Each round runs both layouts, in turn (which goes first alternates): 4 echo workers of
+concurrency 4 (``twist mdp-worker``, with ``--attach all`` for two brokers), one pipelined
+client process (:class:`mdp.SpreadClient`, *window* requests out) and one or two
+``twist mdp-broker`` over TCP on 127.0.0.1.  Brokers' CPU is read from /proc before and
+after the timed requests; ratios are per round, reported as medians with their range."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.harness import cpu_seconds
+
+WORKERS, CONCURRENCY = 4, 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def twist(log: str, *args: str) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "twist"),
+                                 "--log-format", "text", *args], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(log: str, marker: bytes, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log, "rb") as f:
+            if f.read().count(marker) >= count:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{log}: no {count} x {marker!r} within {timeout} s")
+
+
+def run_layout(brokers: int, n: int, window: int, scratch: str) -> dict[str, Any]:
+    """One timed run: broker CPU (ms) per 1,000 requests and the rate."""
+    ports = [free_port() for _ in range(brokers)]
+    endpoints = [f"tcp:127.0.0.1:{port}" for port in ports]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        logs = [os.path.join(scratch, f"broker-{port}.log") for port in ports]
+        for port, log in zip(ports, logs):
+            procs.append(twist(log, "mdp-broker", "--endpoint", f"tcp:{port}:interface=127.0.0.1"))
+        attach = ["--attach", "all"] if brokers > 1 else []
+        for w in range(WORKERS):
+            procs.append(twist(os.path.join(scratch, f"worker-{w}.log"), "mdp-worker",
+                               *(o for e in endpoints for o in ("--broker", e)), *attach,
+                               "--concurrency", str(CONCURRENCY), "--service", "echo"))
+        for log in logs:
+            wait_for(log, b"ready for echo", WORKERS * CONCURRENCY // brokers)
+        client = subprocess.Popen([sys.executable, "-m", "benchmarks.side_by_side", "client",
+                                   str(n), str(window), *endpoints],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert client.stdout is not None and client.stdin is not None
+        assert client.stdout.readline().strip() == b"warm"
+        before = [cpu_seconds(p.pid) for p in procs[:brokers]]
+        client.stdin.write(b"go\n")
+        client.stdin.flush()
+        result = json.loads(client.stdout.readline())
+        after = [cpu_seconds(p.pid) for p in procs[:brokers]]
+        client.wait(60)
+        broker_cpu = sum(after) - sum(before)
+        return {"brokers": brokers, "broker_cpu_ms_per_1k": broker_cpu / n * 1e6,
+                "per_broker_cpu_ms_per_1k": [(a - b) / n * 1e6 for a, b in zip(after, before)],
+                "rate": n / result["elapsed"], "sent": result["sent"]}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+def client(n: int, window: int, endpoints: list[str]) -> None:
+    """The pipelined client: warms up, says ``warm``, waits for ``go``, then sends *n*
+    requests with *window* out and prints the elapsed seconds (JSON)."""
+    from twisted.internet import defer, task
+
+    from mdp import SpreadClient
+
+    async def main(reactor: Any) -> None:
+        spread = SpreadClient(endpoints, reactor, stamp=False, timeout=10.0)
+
+        async def send(count: int) -> None:
+            left = iter(range(count))
+
+            async def lane() -> None:
+                for _ in left:
+                    await spread.request("echo", b"x" * 16)
+
+            await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(window)])
+
+        await send(n // 10)
+        print("warm", flush=True)
+        sys.stdin.readline()  # (blocking: nothing is out meanwhile)
+        spread.sent.clear()
+        started = time.monotonic()
+        await send(n)
+        print(json.dumps({"elapsed": time.monotonic() - started, "sent": dict(spread.sent)}), flush=True)
+        await spread.close()
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["client"]:
+        client(int(argv[1]), int(argv[2]), argv[3:])
+        return
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=20000)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(args.rounds):
+            for brokers in ((1, 2) if round_ % 2 == 0 else (2, 1)):
+                row = run_layout(brokers, args.n, args.window, scratch)
+                rows[brokers].append(row)
+                print(f"round {round_ + 1}/{args.rounds}, {brokers} broker(s): "
+                      f"{row['broker_cpu_ms_per_1k']:.1f} ms broker CPU per 1k, {row['rate']:,.0f}/s",
+                      file=sys.stderr)
+    cpu = [two["broker_cpu_ms_per_1k"] / one["broker_cpu_ms_per_1k"] for one, two in zip(rows[1], rows[2])]
+    rate = [two["rate"] / one["rate"] for one, two in zip(rows[1], rows[2])]
+    report = {"cpu_ratio_median": statistics.median(cpu), "cpu_ratio_range": [min(cpu), max(cpu)],
+              "rate_ratio_median": statistics.median(rate), "rate_ratio_range": [min(rate), max(rate)],
+              "broker_cpu_ms_per_1k_median": {
+                  b: statistics.median(r["broker_cpu_ms_per_1k"] for r in rows[b]) for b in rows},
+              "rate_median": {b: statistics.median(r["rate"] for r in rows[b]) for b in rows}}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "report": report, "args": vars(args)}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
