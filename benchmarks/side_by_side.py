@@ -3,11 +3,13 @@ broker carrying it all, on this machine (docs/deployment.md, "Capacity").
 
     python -m benchmarks.side_by_side [--rounds 5] [--n 20000] [--window 64] [--json FILE]
 
-Each round runs both layouts, in turn (which goes first alternates): 4 echo workers of
-concurrency 4 (``twist mdp-worker``, with ``--attach all`` for two brokers), one pipelined
-client process (:class:`mdp.SpreadClient`, *window* requests out) and one or two
-``twist mdp-broker`` over TCP on 127.0.0.1.  Brokers' CPU is read from /proc before and
-after the timed requests; ratios are per round, reported as medians with their range."""
+Each round runs three layouts, in turn (which goes first rotates): 4 echo workers
+(``twist mdp-worker``, with ``--attach all`` for two brokers), one pipelined client process
+(:class:`mdp.SpreadClient`, *window* requests out) and one or two ``twist mdp-broker`` over
+TCP on 127.0.0.1: one broker and workers of concurrency 4; two brokers and the same
+workers (each broker has half the sessions); two brokers and workers of concurrency 8 (each
+has as many as the one).  Brokers' CPU is read from /proc before and after the timed
+requests; ratios against one broker are per round, reported as medians with their range."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def wait_for(log: str, marker: bytes, count: int, timeout: float = 60.0) -> None
     raise RuntimeError(f"{log}: no {count} x {marker!r} within {timeout} s")
 
 
-def run_layout(brokers: int, n: int, window: int, scratch: str) -> dict[str, Any]:
+def run_layout(brokers: int, n: int, window: int, scratch: str,
+               concurrency: int = CONCURRENCY) -> dict[str, Any]:
     """One timed run: broker CPU (ms) per 1,000 requests and the rate."""
     ports = [free_port() for _ in range(brokers)]
     endpoints = [f"tcp:127.0.0.1:{port}" for port in ports]
@@ -62,9 +65,9 @@ def run_layout(brokers: int, n: int, window: int, scratch: str) -> dict[str, Any
         for w in range(WORKERS):
             procs.append(twist(os.path.join(scratch, f"worker-{w}.log"), "mdp-worker",
                                *(o for e in endpoints for o in ("--broker", e)), *attach,
-                               "--concurrency", str(CONCURRENCY), "--service", "echo"))
+                               "--concurrency", str(concurrency), "--service", "echo"))
         for log in logs:
-            wait_for(log, b"ready for echo", WORKERS * CONCURRENCY // brokers)
+            wait_for(log, b"ready for echo", WORKERS * concurrency // brokers)
         client = subprocess.Popen([sys.executable, "-m", "benchmarks.side_by_side", "client",
                                    str(n), str(window), *endpoints],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -128,22 +131,31 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    rows: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    layouts = {"one": (1, CONCURRENCY), "two, the same workers": (2, CONCURRENCY),
+               "two, as many sessions at each": (2, 2 * CONCURRENCY)}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
-            for brokers in ((1, 2) if round_ % 2 == 0 else (2, 1)):
-                row = run_layout(brokers, args.n, args.window, scratch)
-                rows[brokers].append(row)
-                print(f"round {round_ + 1}/{args.rounds}, {brokers} broker(s): "
+            names = list(layouts)
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                brokers, concurrency = layouts[name]
+                row = run_layout(brokers, args.n, args.window, scratch, concurrency)
+                rows[name].append(row)
+                print(f"round {round_ + 1}/{args.rounds}, {name}: "
                       f"{row['broker_cpu_ms_per_1k']:.1f} ms broker CPU per 1k, {row['rate']:,.0f}/s",
                       file=sys.stderr)
-    cpu = [two["broker_cpu_ms_per_1k"] / one["broker_cpu_ms_per_1k"] for one, two in zip(rows[1], rows[2])]
-    rate = [two["rate"] / one["rate"] for one, two in zip(rows[1], rows[2])]
-    report = {"cpu_ratio_median": statistics.median(cpu), "cpu_ratio_range": [min(cpu), max(cpu)],
-              "rate_ratio_median": statistics.median(rate), "rate_ratio_range": [min(rate), max(rate)],
+
+    def against_one(two: str) -> dict[str, Any]:
+        cpu = [t["broker_cpu_ms_per_1k"] / b["broker_cpu_ms_per_1k"] for b, t in zip(rows["one"], rows[two])]
+        rate = [t["rate"] / b["rate"] for b, t in zip(rows["one"], rows[two])]
+        return {"cpu_ratio_median": statistics.median(cpu), "cpu_ratio_range": [min(cpu), max(cpu)],
+                "rate_ratio_median": statistics.median(rate), "rate_ratio_range": [min(rate), max(rate)]}
+
+    report = {two: against_one(two) for two in layouts if two != "one"}
+    report |= {
               "broker_cpu_ms_per_1k_median": {
-                  b: statistics.median(r["broker_cpu_ms_per_1k"] for r in rows[b]) for b in rows},
-              "rate_median": {b: statistics.median(r["rate"] for r in rows[b]) for b in rows}}
+                  name: statistics.median(r["broker_cpu_ms_per_1k"] for r in rows[name]) for name in rows},
+              "rate_median": {name: statistics.median(r["rate"] for r in rows[name]) for name in rows}}
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as out:
