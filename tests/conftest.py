@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "test_titanic_faults.py", "test_harmony_netns.py", "test_freelance.py", "test_zmq_frames.py",
     "test_docs_snippets.py", "test_blocking_edges.py", "test_processes.py", "test_security.py",
     "test_readme_recipes.py", "test_first_hour_cli.py", "test_titanic_postgres.py",
+    "test_simulated_hosts.py", "test_side_by_side.py",
 )
 
 

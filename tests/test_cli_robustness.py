@@ -238,7 +238,7 @@ def test_the_package_loads_its_names_when_first_used() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    assert int(done.stdout) == 32
+    assert int(done.stdout) == 33
 
 
 def test_ctrl_c_before_the_reactor_runs_is_exit_130(monkeypatch: Any, capsys: Any,

@@ -659,6 +659,8 @@ RUN_ELSEWHERE: dict[str, str] = {
         "tests/test_benchmarks_smoke.py::test_titanic_benchmark_smoke_run",
     "pip install .":
         "tests/test_packaging.py::test_the_wheel_alone_runs_the_mdp_command_and_the_twist_plugin",
+    "sudo .venv/bin/python examples/simulated_hosts.py --requests 3000 --titanic 300":
+        "tests/test_simulated_hosts.py::test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice",
     "twist mdp-worker --service enrich --handler app:enrich --reply-db /var/lib/mdp/replies.db":
         "tests/test_spark.py::test_a_streaming_query_restarted_from_its_checkpoint_runs_each_request_once",
 }

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import uuid
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
 from twisted.internet import defer, task
@@ -405,10 +406,7 @@ def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
-    # (MMI only: the extensions would not be used); side by side, a client of each broker
-    brokers = [[b] for b in options["brokers"]] if options["side-by-side"] else [options["brokers"]]
-    clients = [Client(endpoints, reactor, timeout=options["timeout"], retries=options["retries"],
-                      extensions=False, **tap.curve_client_of(options)) for endpoints in brokers]
+    clients = _status_clients(reactor, options)
     watch = options["watch"]
     try:
         while True:
@@ -425,6 +423,14 @@ async def status(reactor: Any, options: Any) -> None:
             await client.close()
 
 
+def _status_clients(reactor: Any, options: Any) -> list[Client]:
+    """A client of the brokers (a failover list), or side by side one of each; MMI only, so
+    without the extensions."""
+    brokers = [[b] for b in options["brokers"]] if options["side-by-side"] else [options["brokers"]]
+    return [Client(endpoints, reactor, timeout=options["timeout"], retries=options["retries"],
+                   extensions=False, **tap.curve_client_of(options)) for endpoints in brokers]
+
+
 async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
     """One client's report; side by side, each broker's and then the services of those that
     answered summed (None if none did: stderr says why)."""
@@ -432,28 +438,32 @@ async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
         report = await _report(clients[0], options)
         return None if report is None else report[0]
     lines: list[str] = []
-    total: dict[str, list[int]] = {}
-    answered = 0
+    listings: list[dict[str, Any]] = []
     for client in clients:
         report = await _report(client, options, alone=False)
         if report is None:  # (stderr said why)
             lines += [f"broker {client.endpoint}: no answer", ""]
             continue
-        answered += 1
         shown, services = report
         lines += [*shown, ""]
-        for name, entry in json.loads(services[0]).items():
-            counts = total.setdefault(name, [0, 0, 0])
-            for n, key in enumerate(("workers", "idle", "queued")):
-                counts[n] += entry[key]
-    rows = [(name, w, idle, w - idle, queued) for name, (w, idle, queued) in sorted(total.items())]
-    if not answered:
+        listings.append(json.loads(services[0]))
+    if not listings:
         return None
-    heard = f"all {len(clients)} brokers" if answered == len(clients) else \
-        f"the {answered} of {len(clients)} brokers that answered"
-    return [*lines, heard, "",
-            *(table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4))
-              if rows else ["no services"])]
+    heard = f"all {len(clients)} brokers" if len(listings) == len(clients) else \
+        f"the {len(listings)} of {len(clients)} brokers that answered"
+    return [*lines, heard, "", *_summed(listings)]
+
+
+def _summed(listings: list[dict[str, Any]]) -> list[str]:
+    """The services table of several brokers' ``mmi.services`` listings, added up."""
+    total: dict[str, Counter[str]] = {}
+    for listing in listings:
+        for name, entry in listing.items():
+            total.setdefault(name, Counter()).update({k: entry[k] for k in ("workers", "idle", "queued")})
+    rows = [(name, c["workers"], c["idle"], c["workers"] - c["idle"], c["queued"])
+            for name, c in sorted(total.items())]
+    return table(["SERVICE", "WORKERS", "IDLE", "BUSY", "QUEUED"], rows, (1, 2, 3, 4)) if rows \
+        else ["no services"]
 
 
 async def _report(client: Any, options: Any, alone: bool = True

@@ -351,11 +351,14 @@ class DispatchMachine(Machine):
         if self._nextPurge <= self.now:
             self._emit(Purge(self.now - self.keep))
             self._nextPurge = self.now + self.purgeEvery
+        self._rereadIfDue()
+        self._listIfDue()
+        return self._pumped()
+
+    def _rereadIfDue(self) -> None:
         if self._nextReread is not None and self.rereadEvery is not None and self._nextReread <= self.now:
             self._dirty = True
             self._nextReread = self.now + self.rereadEvery
-        self._listIfDue()
-        return self._pumped()
 
     def _listIfDue(self) -> None:
         if self._nextList is not None and self._nextList <= self.now:

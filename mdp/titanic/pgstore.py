@@ -9,6 +9,7 @@ second at most."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any, Callable, Collection, Optional
@@ -21,6 +22,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
+from mdp import transport
 from mdp.errors import StoreError, StoreUnavailable
 from mdp.policy import default_reactor, positive_seconds, whole_number
 from mdp.titanic.protocol import TitanicStoreFull
@@ -49,6 +51,8 @@ CONNECT_DEFAULTS = {"connect_timeout": "5", "keepalives": "1", "keepalives_idle"
 SIZE_EVERY = 1.0
 #: Seconds between two tries of a database out of reach (calls between fail at once).
 RETRY_EVERY = 1.0
+#: Seconds a stop waits for the call under way before it shuts the connection under it.
+STOP_GRACE = 2.0
 TABLE = "titanic_requests"
 
 _TABLE = f"""
@@ -150,6 +154,8 @@ class PostgresStore:
 
     def _connection(self) -> Any:
         if self._db is None or self._db.closed:
+            if self._closing:  # (what was queued before close: no new connection for it)
+                raise StoreError(f"Titanic store {self.path} is closed")
             self._db = psycopg.connect(self.url, autocommit=True, **self._settings)
         return self._db
 
@@ -168,7 +174,7 @@ class PostgresStore:
             if self._db is not None and not (self._db.broken or self._db.closed):
                 raise StoreError(self._scrub(f"Titanic store {self.path}: {_first_line(e)}")) from None
             self._disconnect()
-            if reused:
+            if reused and not self._closing:
                 return self._call(work, *args)
             raise StoreUnavailable(self._scrub(f"Titanic store {self.path}: {_first_line(e)}")) from None
         except psycopg.Error as e:
@@ -266,6 +272,7 @@ class PostgresStore:
                 log, failure, "Titanic store {path}: its claims were not renewed", path=self.path))
 
     def _stopPool(self) -> None:
+        self._closing = True
         if self._renewal is not None and self._renewal.running:
             self._renewal.stop()
         self._renewal = None
@@ -274,8 +281,25 @@ class PostgresStore:
             self._trigger = None
         if self._pool is not None:
             self._pool.callInThread(self._disconnect)
-            self._pool.stop()
+            # a call stuck on a dead network path would hold the stop (and the process's
+            # exit) for the TCP timeout: after a grace, its socket is shut under it
+            interrupt = threading.Timer(STOP_GRACE, self._interrupt)
+            interrupt.start()
+            try:
+                self._pool.stop()
+            finally:
+                interrupt.cancel()
             self._pool = None
+
+    def _interrupt(self) -> None:
+        """Shut the connection's socket (from any thread): a call blocked on it fails at once."""
+        db = self._db
+        try:
+            fd = db.pgconn.socket if db is not None and not db.closed else -1
+            if fd >= 0:
+                transport.shut_socket(fd)
+        except (OSError, psycopg.Error):
+            pass  # closed meanwhile
 
     # --- ITitanicStore ----------------------------------------------------------------
 

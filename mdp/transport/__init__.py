@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import os
 import re
+import socket
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -47,8 +49,15 @@ __all__ = [
     "CONNECT", "LISTEN", "Scheme", "authenticated", "beyond_loopback", "check",
     "check_curve_client", "close_all", "connect", "connect_channels", "connect_peers",
     "curve_client_for", "curve_for", "curve_listen_for", "endpoint_list", "listen", "lookup",
-    "register", "schemes", "unregister", "warn_if_open",
+    "register", "schemes", "shut_socket", "unregister", "warn_if_open",
 ]
+
+
+def shut_socket(fd: int) -> None:
+    """Shut the socket behind descriptor *fd* both ways, from any thread: a call blocked on
+    it (a database driver's, say) fails at once; the descriptor stays its owner's to close."""
+    with socket.socket(fileno=os.dup(fd)) as stuck:
+        stuck.shutdown(socket.SHUT_RDWR)
 
 
 def endpoint_list(endpoints: object, role: str = CONNECT, empty: bool = False) -> list[str]:

@@ -1,0 +1,255 @@
+"""Three hosts, simulated: network namespaces joined by a bridge (with ``tc netem`` latency
+where the kernel has it), two brokers side by side, a worker and a Titanic on each of the
+first two hosts, PostgreSQL (Titanic's shared store) on the second, and clients on the third.
+In the middle of a steady load the first host is cut off (its link to the bridge goes down).
+
+    sudo .venv/bin/python examples/simulated_hosts.py [--requests 3000] [--titanic 300]
+                                                      [--latency-ms 2] [--heartbeat 0.5]
+
+It prints a JSON report: every request answered, every Titanic request acknowledged
+answered, how many ran twice (the workers share one reply store, as a network share would
+be, and requests are stamped), and the longest wait between two replies.
+Needs root (``ip netns``), Debian's ``postgresql`` and the ``postgres`` extra."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.path.dirname(sys.executable)
+SUBNET = "10.77.0"
+PORT = 5555
+
+
+def counted(frames: list[bytes]) -> Any:
+    """The workers' handler: after 5 ms, notes the run (``$RUNS/<pid>``) and echoes."""
+    from twisted.internet import reactor, task
+
+    def done() -> list[bytes]:
+        with open(os.path.join(os.environ["RUNS"], str(os.getpid())), "ab") as runs:
+            runs.write(frames[0] + b"\n")
+        return [str(os.getpid()).encode(), *frames]
+
+    return task.deferLater(reactor, 0.005, done)
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, check=check, capture_output=True, text=True, timeout=60)
+
+
+class Hosts:
+    """Namespaces ``<tag>-h1`` .. ``-h3`` on a bridge in ``<tag>-sw``; host *n* is SUBNET.n."""
+
+    def __init__(self, tag: str, latencyMs: float) -> None:
+        self.tag = tag
+        self.names = [f"{tag}-h{n}" for n in (1, 2, 3)]
+        self.switch = f"{tag}-sw"
+        self.latency: Optional[str] = None
+        for ns in [self.switch, *self.names]:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for n, ns in enumerate(self.names, 1):
+            host, port = f"{tag}h{n}", f"{tag}s{n}"
+            sh("ip", "link", "add", host, "type", "veth", "peer", "name", port)
+            sh("ip", "link", "set", host, "netns", ns)
+            sh("ip", "link", "set", port, "netns", self.switch)
+            sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{n}/24", "dev", host)
+            sh("ip", "-n", ns, "link", "set", host, "up")
+            if latencyMs:
+                added = sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", host, "root",
+                           "netem", "delay", f"{latencyMs}ms", check=False)
+                self.latency = (f"{latencyMs} ms each way" if added.returncode == 0 else
+                                f"none: {added.stderr.strip() or 'tc netem failed'}")
+
+    def cut(self, n: int) -> None:
+        """Unplug host *n* from the bridge."""
+        sh("ip", "-n", self.switch, "link", "set", f"{self.tag}s{n}", "down")
+
+    def remove(self) -> None:
+        for ns in [*self.names, self.switch]:
+            sh("ip", "netns", "del", ns, check=False)
+
+
+class Run:
+    """The processes of one simulation, their logs in *scratch*."""
+
+    def __init__(self, hosts: Hosts, scratch: str) -> None:
+        self.hosts, self.scratch = hosts, scratch
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.database: Optional[subprocess.Popen[bytes]] = None
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
+                    "RUNS": os.path.join(scratch, "runs")}
+        os.mkdir(self.env["RUNS"])
+
+    def start(self, host: int, name: str, *argv: str, user: Optional[str] = None) -> subprocess.Popen[bytes]:
+        command = ["ip", "netns", "exec", self.hosts.names[host - 1]]
+        if user is not None:
+            command += ["runuser", "-u", user, "--"]
+        with open(os.path.join(self.scratch, f"{name}.log"), "wb") as log:
+            proc = subprocess.Popen([*command, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                    env=self.env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def waitFor(self, name: str, marker: str, count: int = 1, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        path = os.path.join(self.scratch, f"{name}.log")
+        while time.monotonic() < deadline:
+            with open(path, "rb") as log:
+                if log.read().count(marker.encode()) >= count:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"{name}: no {marker!r} within {timeout} s")
+
+    def stop(self) -> None:
+        for proc in self.procs:  # (PostgreSQL's SIGTERM waits for its clients: SIGINT does not)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT if proc is self.database else signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def postgres(run: Run, host: int) -> str:
+    """A PostgreSQL server on *host*, listening on its address; its URL."""
+    pgbin = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1]
+    data = os.path.join(run.scratch, "pg")
+    os.mkdir(data, 0o700)
+    shutil.chown(data, "postgres")
+    secret = os.path.join(run.scratch, "pgpass")
+    with open(secret, "w") as f:
+        f.write("titanic\n")
+    shutil.chown(secret, "postgres")
+    sh("runuser", "-u", "postgres", "--", f"{pgbin}/initdb", "-D", data, "-U", "titanic",
+       "--auth=scram-sha-256", f"--pwfile={secret}", "--no-sync")
+    with open(os.path.join(data, "pg_hba.conf"), "a") as hba:
+        hba.write(f"host all all {SUBNET}.0/24 scram-sha-256\n")
+    run.database = run.start(host, "postgres", f"{pgbin}/postgres", "-D", data, "-k", data,
+              "-c", f"listen_addresses={SUBNET}.{host}", "-c", "fsync=off", user="postgres")
+    run.waitFor("postgres", "ready to accept connections")
+    return f"postgresql://titanic:titanic@{SUBNET}.{host}/postgres"
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    tag = f"mdp{os.getpid() % 100000}"
+    hosts = Hosts(tag, args.latency_ms)
+    scratch = tempfile.mkdtemp(prefix="mdp-hosts-")
+    os.chmod(scratch, 0o755)
+    run = Run(hosts, scratch)
+    heartbeat = ["--heartbeat", str(args.heartbeat), "--liveness", "4"]
+    brokers = [f"tcp:{SUBNET}.{n}:{PORT}" for n in (1, 2)]
+    twist = [os.path.join(BIN, "twist"), "--log-format", "text"]
+    try:
+        url = postgres(run, 2)
+        for n in (1, 2):
+            run.start(n, f"broker{n}", *twist, "mdp-broker", "--endpoint",
+                      f"tcp:{PORT}:interface={SUBNET}.{n}", *heartbeat)
+        for n in (1, 2):
+            run.waitFor(f"broker{n}", "MDP broker listening on")
+            run.start(n, f"worker{n}", *twist, "mdp-worker", *(o for b in brokers for o in ("--broker", b)),
+                      "--attach", "all", "--concurrency", "4", "--service", "work", "--handler",
+                      "simulated_hosts:counted", "--reply-db", os.path.join(scratch, "replies.db"),
+                      *heartbeat, "--backoff-max", "1")
+            run.start(n, f"titanic{n}", *twist, "mdp-titanic", "--broker", brokers[n - 1], "--db", url,
+                      "--stamp", "--lease", "3", "--concurrency", "4", "--timeout", "2",
+                      "--backoff-max", "1", *heartbeat)
+        for n in (1, 2):
+            run.waitFor(f"broker{n}", "ready for work", 4)
+            run.waitFor(f"titanic{n}", "Titanic started")
+        client = run.start(3, "client", sys.executable, os.path.abspath(__file__), "client",
+                           str(args.requests), str(args.titanic), *brokers)
+        run.waitFor("client", "half answered", timeout=120)
+        hosts.cut(1)
+        client.wait(180)
+        with open(os.path.join(scratch, "client.log")) as log:
+            report = json.loads(log.read().splitlines()[-1])
+        runs: dict[bytes, int] = {}
+        for path in glob.glob(os.path.join(run.env["RUNS"], "*")):
+            with open(path, "rb") as f:
+                for key in f.read().splitlines():
+                    runs[key] = runs.get(key, 0) + 1
+        report.update(latency=hosts.latency, heartbeatExpiry=args.heartbeat * 4,
+                      ran=sum(runs.values()), ranTwice=sum(1 for count in runs.values() if count > 1))
+        return report
+    finally:
+        run.stop()
+        hosts.remove()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def client(requests: int, titanic: int, brokers: list[str]) -> None:
+    """On host 3: *requests* stamped requests, 16 out at a time, spread over the brokers, and
+    *titanic* Titanic requests; prints ``half answered`` midway and a JSON report at the end."""
+    from twisted.internet import defer, task
+
+    from mdp import SpreadClient
+    from mdp.titanic import TitanicClient
+
+    async def main(reactor: Any) -> None:
+        spread = SpreadClient(brokers, reactor, timeout=0.5, retries=10)
+        titan = TitanicClient(brokers, reactor, timeout=1.0, retries=10, pollInterval=0.2)
+        answered: list[float] = []
+        acked: list[tuple[str, bytes]] = []
+        wrong: list[Any] = []
+        left = iter(range(requests))
+
+        async def lane() -> None:
+            for n in left:
+                body = b"r-%d" % n
+                reply = await spread.request("work", body)
+                answered.append(time.time())
+                if reply[1:] != [body]:
+                    wrong.append(n)
+                if len(answered) == requests // 2:
+                    print("half answered", flush=True)
+
+        async def submit() -> None:
+            for n in range(titanic):
+                body = b"t-%d" % n
+                acked.append((await titan.submit("work", body), body))
+                await task.deferLater(reactor, 0.03, lambda: None)  # (through the cut)
+
+        await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(16)] +
+                                  [defer.ensureDeferred(submit())])
+        results = [await titan.result(requestId) for requestId, _ in acked]
+        wrongTitanic = [body for (_, body), reply in zip(acked, results) if reply[1:] != [body]]
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        print(json.dumps({"requests": requests, "answered": len(answered), "wrong": len(wrong),
+                          "titanicAcknowledged": len(acked), "titanicAnswered": len(results),
+                          "titanicWrong": len(wrongTitanic), "longestGap": max(gaps or [0.0]),
+                          "sent": dict(spread.sent)}), flush=True)
+        await spread.close()
+        await titan.client.close()
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["client"]:
+        client(int(argv[1]), int(argv[2]), argv[3:])
+        return
+    parser = argparse.ArgumentParser(prog="simulated_hosts.py")
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--titanic", type=int, default=300)
+    parser.add_argument("--latency-ms", type=float, default=2.0)
+    parser.add_argument("--heartbeat", type=float, default=0.5)
+    print(json.dumps(simulate(parser.parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,32 @@
+"""Three simulated hosts (network namespaces on a bridge; examples/simulated_hosts.py): two
+brokers side by side, a worker and a Titanic on each of the first two, PostgreSQL on the
+second, clients on the third; the first host is cut off under a steady load."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import pytest
+
+from tests.postgres_server import need_bindir
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+import simulated_hosts  # noqa: E402
+
+
+@pytest.mark.timeout(60)
+def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (network namespaces)")
+    need_bindir()
+    report = simulated_hosts.simulate(argparse.Namespace(
+        requests=2000, titanic=100, latency_ms=2.0, heartbeat=0.5))
+    assert report["answered"] == 2000 and report["wrong"] == 0, report
+    assert report["titanicAnswered"] == report["titanicAcknowledged"] == 100, report
+    assert report["titanicWrong"] == 0 and report["ranTwice"] == 0, report
+    assert report["longestGap"] < report["heartbeatExpiry"], report  # the load moved in time
+    cut, kept = report["sent"].values()
+    assert cut > 200 and kept > 1000, report  # both served before the cut, the second after
