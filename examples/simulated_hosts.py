@@ -8,7 +8,8 @@ In the middle of a steady load the first host is cut off (its link to the bridge
 
 It prints a JSON report: every request answered, every Titanic request acknowledged
 answered, how many ran twice (the workers share one reply store, as a network share would
-be, and requests are stamped), and the longest wait between two replies.
+be, and requests are stamped; a Titanic submit whose acknowledgement is lost with the cut
+host is submitted again, under a new id), and the longest wait between two replies.
 Needs root (``ip netns``), Debian's ``postgresql`` and the ``postgres`` extra."""
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class Hosts:
-    """Namespaces ``<tag>-h1`` .. ``-h3`` on a bridge in ``<tag>-sw``; host *n* is SUBNET.n."""
+    """Namespaces ``<tag>-h1`` .. ``-h3`` on a bridge in ``<tag>-sw``; host *n* is SUBNET.n.
+    :meth:`build` them; :meth:`remove` takes away whatever was built."""
 
-    def __init__(self, tag: str, latencyMs: float) -> None:
+    def __init__(self, tag: str) -> None:
         self.tag = tag
         self.names = [f"{tag}-h{n}" for n in (1, 2, 3)]
         self.switch = f"{tag}-sw"
         self.latency: Optional[str] = None
+
+    def build(self, latencyMs: float) -> None:
+        tag = self.tag
         for ns in [self.switch, *self.names]:
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -79,8 +84,10 @@ class Hosts:
         sh("ip", "-n", self.switch, "link", "set", f"{self.tag}s{n}", "down")
 
     def remove(self) -> None:
-        for ns in [*self.names, self.switch]:
+        for ns in [*self.names, self.switch]:  # (a veth goes with its namespace)
             sh("ip", "netns", "del", ns, check=False)
+        for n in (1, 2, 3):  # one made but not yet moved into its namespace
+            sh("ip", "link", "del", f"{self.tag}h{n}", check=False)
 
 
 class Run:
@@ -89,6 +96,7 @@ class Run:
     def __init__(self, hosts: Hosts, scratch: str) -> None:
         self.hosts, self.scratch = hosts, scratch
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.byName: dict[str, subprocess.Popen[bytes]] = {}
         self.database: Optional[subprocess.Popen[bytes]] = None
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
                     "RUNS": os.path.join(scratch, "runs")}
@@ -102,32 +110,49 @@ class Run:
             proc = subprocess.Popen([*command, *argv], stdout=log, stderr=subprocess.STDOUT,
                                     env=self.env, start_new_session=True)
         self.procs.append(proc)
+        self.byName[name] = proc
         return proc
 
-    def waitFor(self, name: str, marker: str, count: int = 1, timeout: float = 60.0) -> None:
+    def waitFor(self, name: str, marker: str, count: int = 1, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         path = os.path.join(self.scratch, f"{name}.log")
+        proc = self.byName.get(name)
         while time.monotonic() < deadline:
             with open(path, "rb") as log:
                 if log.read().count(marker.encode()) >= count:
                     return
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}) before {marker!r}")
             time.sleep(0.05)
         raise RuntimeError(f"{name}: no {marker!r} within {timeout} s")
 
     def stop(self) -> None:
         for proc in self.procs:  # (PostgreSQL's SIGTERM waits for its clients: SIGINT does not)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT if proc is self.database else signal.SIGTERM)
+            self._signal(proc, signal.SIGINT if proc is self.database else signal.SIGTERM)
         for proc in self.procs:
             try:
-                proc.wait(20)
+                proc.wait(8)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                self._signal(proc, signal.SIGKILL)
+                proc.wait(8)
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass  # (it ended meanwhile)
 
 
 def postgres(run: Run, host: int) -> str:
     """A PostgreSQL server on *host*, listening on its address; its URL."""
-    pgbin = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1]
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"),
+                   key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0)
+    on_path = shutil.which("postgres")
+    if not found and on_path is None:
+        raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
+    pgbin = os.path.dirname(found[-1] if found else on_path)
     data = os.path.join(run.scratch, "pg")
     os.mkdir(data, 0o700)
     shutil.chown(data, "postgres")
@@ -146,8 +171,7 @@ def postgres(run: Run, host: int) -> str:
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    tag = f"mdp{os.getpid() % 100000}"
-    hosts = Hosts(tag, args.latency_ms)
+    hosts = Hosts(f"mdp{os.getpid() % 100000}")
     scratch = tempfile.mkdtemp(prefix="mdp-hosts-")
     os.chmod(scratch, 0o755)
     run = Run(hosts, scratch)
@@ -155,6 +179,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     brokers = [f"tcp:{SUBNET}.{n}:{PORT}" for n in (1, 2)]
     twist = [os.path.join(BIN, "twist"), "--log-format", "text"]
     try:
+        hosts.build(args.latency_ms)
         url = postgres(run, 2)
         for n in (1, 2):
             run.start(n, f"broker{n}", *twist, "mdp-broker", "--endpoint",
@@ -173,9 +198,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             run.waitFor(f"titanic{n}", "Titanic started")
         client = run.start(3, "client", sys.executable, os.path.abspath(__file__), "client",
                            str(args.requests), str(args.titanic), *brokers)
-        run.waitFor("client", "half answered", timeout=120)
+        run.waitFor("client", "half answered", timeout=30)
         hosts.cut(1)
-        client.wait(180)
+        client.wait(40)
         with open(os.path.join(scratch, "client.log")) as log:
             report = json.loads(log.read().splitlines()[-1])
         runs: dict[bytes, int] = {}
@@ -183,13 +208,19 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             with open(path, "rb") as f:
                 for key in f.read().splitlines():
                     runs[key] = runs.get(key, 0) + 1
-        report.update(latency=hosts.latency, heartbeatExpiry=args.heartbeat * 4,
-                      ran=sum(runs.values()), ranTwice=sum(1 for count in runs.values() if count > 1))
+        twice = sorted(key.decode() for key, count in runs.items() if count > 1)
+        report.update(latency=hosts.latency, heartbeatExpiry=args.heartbeat * 4, ran=sum(runs.values()),
+                      ranTwice=sum(1 for key in twice if key.startswith("r-")),
+                      titanicRanTwice=sum(1 for key in twice if key.startswith("t-")), twice=twice[:10])
         return report
     finally:
-        run.stop()
-        hosts.remove()
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            run.stop()
+        finally:
+            try:
+                hosts.remove()
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
 
 
 def client(requests: int, titanic: int, brokers: list[str]) -> None:
@@ -226,11 +257,14 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
 
         await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(16)] +
                                   [defer.ensureDeferred(submit())])
-        results = [await titan.result(requestId) for requestId, _ in acked]
-        wrongTitanic = [body for (_, body), reply in zip(acked, results) if reply[1:] != [body]]
+        results = await defer.DeferredList(
+            [titan.result(requestId).addTimeout(20, reactor) for requestId, _ in acked])
+        wrongTitanic = [body for (_, body), (ok, reply) in zip(acked, results)
+                        if not ok or reply[1:] != [body]]
         gaps = [b - a for a, b in zip(answered, answered[1:])]
         print(json.dumps({"requests": requests, "answered": len(answered), "wrong": len(wrong),
-                          "titanicAcknowledged": len(acked), "titanicAnswered": len(results),
+                          "titanicAcknowledged": len(acked),
+                          "titanicAnswered": sum(1 for ok, _ in results if ok),
                           "titanicWrong": len(wrongTitanic), "longestGap": max(gaps or [0.0]),
                           "sent": dict(spread.sent)}), flush=True)
         await spread.close()

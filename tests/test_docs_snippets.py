@@ -375,8 +375,32 @@ def check_sample_scrape(b: Block, tmp_path: Path) -> None:
         assert name.group() in families or base in families, line
 
 
+def check_systemd_unit(b: Block, tmp_path: Path) -> None:
+    """A unit systemd can read ([Unit], [Service], [Install]) whose ExecStart runs a twist
+    plugin with options that plugin has."""
+    import configparser
+    import shlex
+    import subprocess
+
+    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]  (keys are case-sensitive)
+    unit.read_string(b.text)
+    assert unit.sections() == ["Unit", "Service", "Install"], unit.sections()
+    argv = shlex.split(unit["Service"]["ExecStart"].replace("\\\n", " "))
+    assert argv[0].endswith("/twist"), argv
+    plugin = next(arg for arg in argv if arg.startswith("mdp-"))
+    twist = os.path.join(os.path.dirname(sys.executable), "twist")
+    helped = subprocess.run([twist, plugin, "--help"], capture_output=True, text=True, timeout=60).stdout
+    for arg in argv[argv.index(plugin) + 1:]:
+        if arg.startswith("--"):
+            assert f"{arg.split('=')[0]}=" in helped or f"{arg} " in helped, (plugin, arg)
+
+
 #: block that is not python -> the check of it
 CHECKS: dict[str, Callable[[Block, Path], None]] = {
+    "docs/deployment.md: mdp-broker.service": check_systemd_unit,
+    "docs/deployment.md: mdp-worker@.service": check_systemd_unit,
+    "docs/deployment.md: mdp-titanic.service": check_systemd_unit,
     "docs/security.md: [[peer]]": check_access_policy,
     "docs/metrics.md: scrape_configs:": check_scrape_config,
     "docs/metrics.md: mdp_broker_requests_total{": check_sample_scrape,

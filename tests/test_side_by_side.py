@@ -86,7 +86,7 @@ async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str
         await net.until(lambda: all(b.machine.services.get(b"echo") is not None and
                                     b.machine.services[b"echo"].workers == 2 for b in brokers),
                         timeout=10)
-        client = SpreadClient(endpoints, net.reactor, timeout=0.5, retries=3)
+        client = SpreadClient(endpoints, net.reactor, timeout=2.0, retries=3)
         net.addCleanup(client.close)
 
         async def load(start: int) -> None:
@@ -96,9 +96,11 @@ async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str
 
         await load(0)
         assert min(client.sent.values()) >= 40, client.sent  # both took a share
-        going = load(200)
+        going = defer.ensureDeferred(load(200))  # under way as the broker goes
         await brokers[1].close()
         await going
+        # the sessions of the broker gone moved to the other one
+        await net.until(lambda: brokers[0].machine.services[b"echo"].workers == 4, timeout=10)
         await load(400)  # all through the broker left
         assert max(most.values()) <= 2, most
     finally:
@@ -167,3 +169,9 @@ async def test_a_broker_killed_under_load_loses_no_request_and_no_worker_holds_m
             await client.close()
         for proc in procs:
             await proc.stop()
+
+
+def test_the_sessions_of_a_broker_that_goes_spread_over_the_others() -> None:
+    lists = [spread_over(["a", "b", "c"], n) for n in range(6)]
+    assert [s[0] for s in lists] == ["a", "b", "c", "a", "b", "c"]
+    assert [s[1] for s in lists if s[0] == "a"] == ["b", "c"]  # a's two sessions: b, then c

@@ -416,11 +416,21 @@ async def status(reactor: Any, options: Any) -> None:
             if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
                 lines = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
             if (lines is not None and not emit(*lines)) or watch is None:
+                if lines is not None and any(map(_unanswered, lines)):  # side by side, some did not
+                    raise SystemExit(1)
                 return
             await task.deferLater(reactor, watch)
     finally:
         for client in clients:
             await client.close()
+
+
+#: what a side-by-side report says of a broker that did not answer (exit status 1 once out)
+NO_ANSWER = "no answer"
+
+
+def _unanswered(line: str) -> bool:
+    return line.startswith("broker ") and line.endswith(f": {NO_ANSWER}")
 
 
 def _status_clients(reactor: Any, options: Any) -> list[Client]:
@@ -442,7 +452,7 @@ async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
     for client in clients:
         report = await _report(client, options, alone=False)
         if report is None:  # (stderr said why)
-            lines += [f"broker {client.endpoint}: no answer", ""]
+            lines += [f"broker {client.endpoint}: {NO_ANSWER}", ""]
             continue
         shown, services = report
         lines += [*shown, ""]

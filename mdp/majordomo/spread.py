@@ -26,12 +26,16 @@ from mdp.errors import (
 )
 from mdp.majordomo.client import Client
 from mdp.majordomo.client_machine import DEFAULT_RETRIES, DEFAULT_TIMEOUT, _check_attempts
+from mdp.majordomo.codec import api_service_name
 from mdp.majordomo.idempotence import stamp
+from mdp.messages import request_frames
 from mdp.policy import default_reactor, positive_seconds
 
 #: Failures of one attempt after which the request is tried on another broker.
 RETRY_ELSEWHERE = (RequestTimeout, BrokerUnreachable, TransportError, ServiceUnavailable,
                    ServiceOverloaded, DeadlineExceeded)
+#: Of those, the broker's own: it is passed over for every service (the others: for the one).
+BROKER_FAILED = (RequestTimeout, BrokerUnreachable, TransportError)
 #: Seconds a broker that failed an attempt is passed over while another has not.
 DEFAULT_AVOID = 5.0
 
@@ -50,8 +54,11 @@ def least_outstanding(endpoints: Sequence[str], outstanding: Counter[str], faile
 class SpreadClient:
     """A :class:`~mdp.Client` of each of *endpoints* (brokers side by side).  A request makes
     up to *retries* attempts (as a Client's *retries* counts them) of *timeout* seconds each,
-    each to the broker :func:`least_outstanding` picks.  *options* are each
-    :class:`~mdp.Client`'s (``stamp`` is this one's)."""
+    each to the broker :func:`least_outstanding` picks; a broker that timed out or could not
+    be reached is passed over *avoid* seconds for every service, one that answered ``503`` or
+    ``429`` for that service.  *options* are each :class:`~mdp.Client`'s.  With *stamp* (the
+    default) requests carry an idempotence stamp, which our workers take; give
+    ``stamp=False`` for workers that would see it as frames of the body."""
 
     def __init__(self, endpoints: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES, stamp: bool = True,
@@ -59,7 +66,7 @@ class SpreadClient:
         _check_attempts(timeout, retries)
         self.reactor = default_reactor(reactor)
         self.endpoints = transport.endpoint_list(endpoints)
-        self.retries = retries
+        self.timeout, self.retries = timeout, retries
         self.stamp = stamp
         self.avoid = positive_seconds("avoid", avoid)
         #: each broker's client
@@ -68,7 +75,7 @@ class SpreadClient:
         #: requests out at each broker now, and sent to it in all
         self.outstanding: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
-        self._failedAt: dict[str, float] = {}
+        self._failedAt: dict[Any, float] = {}  # by broker, and by (broker, service)
         self._turns = itertools.count()
         self._clientId = uuid.uuid4().bytes
         self._sequence = itertools.count()
@@ -76,26 +83,34 @@ class SpreadClient:
     def request(self, service: Union[str, bytes], *frames: Any, timeout: Optional[float] = None,
                 retries: Optional[int] = None) -> defer.Deferred[list[bytes]]:
         """The reply of *service* to *frames*, from whichever broker's workers serve it."""
-        name = service.encode() if isinstance(service, str) else bytes(service)
-        body = list(frames)
-        if self.stamp and not name.startswith(b"mmi."):
+        name = api_service_name(service)
+        mmi = name.startswith(b"mmi.")
+        body = request_frames(frames, empty=mmi)  # (a caller's mistake raises here)
+        if self.stamp and not mmi:
             body = stamp(self._clientId, next(self._sequence), body)
         attempts = self.retries if retries is None else retries
-        return defer.ensureDeferred(self._request(service, body, timeout, attempts))
+        _check_attempts(self.timeout if timeout is None else timeout, attempts)
+        return defer.ensureDeferred(self._request(name, body, timeout, attempts))
 
-    async def _request(self, service: Union[str, bytes], body: list[Any], timeout: Optional[float],
+    async def _request(self, service: bytes, body: list[bytes], timeout: Optional[float],
                        attempts: int) -> list[bytes]:
         failure: Optional[Exception] = None
         for _ in range(attempts):
-            endpoint = least_outstanding(self.endpoints, self.outstanding, self._failedAt,
-                                         self.reactor.seconds(), self.avoid, next(self._turns))
+            now = self.reactor.seconds()
+            failed = {e: max(self._failedAt.get(e, -math.inf), self._failedAt.get((e, service), -math.inf))
+                      for e in self.endpoints}
+            endpoint = least_outstanding(self.endpoints, self.outstanding, failed, now, self.avoid,
+                                         next(self._turns))
             self.outstanding[endpoint] += 1
             self.sent[endpoint] += 1
             try:
                 return await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
             except RETRY_ELSEWHERE as e:
                 failure = e
-                self._failedAt[endpoint] = self.reactor.seconds()
+                if isinstance(e, BROKER_FAILED):
+                    self._failedAt[endpoint] = self.reactor.seconds()
+                elif not isinstance(e, DeadlineExceeded):  # (the handler's time, not the broker's)
+                    self._failedAt[(endpoint, service)] = self.reactor.seconds()
             finally:
                 self.outstanding[endpoint] -= 1
         assert failure is not None

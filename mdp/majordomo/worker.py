@@ -500,9 +500,12 @@ ATTACH_MODES = ("one", "all")
 
 def spread_over(endpoints: Sequence[str], session: int) -> list[str]:
     """The failover list of worker session *session* attached to all of *endpoints*: each
-    session starts at its own broker, in turn, and moves on to the next when that one goes."""
+    session starts at its own broker, in turn; the sessions of one broker list the others in
+    turn too, so when it goes they spread over the rest."""
     first = session % len(endpoints)
-    return [*endpoints[first:], *endpoints[:first]]
+    others = [*endpoints[first + 1:], *endpoints[:first]]
+    shift = (session // len(endpoints)) % max(len(others), 1)
+    return [endpoints[first], *others[shift:], *others[:shift]]
 
 
 class Worker(WorkerDriver):

@@ -53,6 +53,9 @@ SIZE_EVERY = 1.0
 RETRY_EVERY = 1.0
 #: Seconds a stop waits for the call under way before it shuts the connection under it.
 STOP_GRACE = 2.0
+#: The part of a lease after the last renewal past which the claims are taken as lost (the
+#: database out of reach that long: another Titanic may take them over before we know).
+LAPSE_MARGIN = 0.8
 TABLE = "titanic_requests"
 
 _TABLE = f"""
@@ -144,6 +147,10 @@ class PostgresStore:
         self._used = (0, -SIZE_EVERY)  # (bytes, when asked) of the table
         #: the ids of the requests claimed and held, as of the last read
         self._claimed: set[str] = set()
+        self._renewedAt = 0.0  # when the last renewal (or read) that succeeded was asked
+        #: on the store's thread: when the database was found out of reach (None: it was not)
+        self._lostAt: Optional[float] = None
+        self._lock = threading.Lock()  # the connection, between the store's thread and a stop
 
     def _scrub(self, text: str) -> str:
         """*text* with neither the URL nor the password in it."""
@@ -156,13 +163,23 @@ class PostgresStore:
         if self._db is None or self._db.closed:
             if self._closing:  # (what was queued before close: no new connection for it)
                 raise StoreError(f"Titanic store {self.path} is closed")
-            self._db = psycopg.connect(self.url, autocommit=True, **self._settings)
+            if self._lostAt is not None and time.monotonic() < self._lostAt + RETRY_EVERY:
+                # (calls queued behind the one that found it out of reach fail at once too)
+                raise psycopg.OperationalError("out of reach a moment ago; tried again shortly")
+            try:
+                db = psycopg.connect(self.url, autocommit=True, **self._settings)
+            except psycopg.OperationalError:
+                self._lostAt = time.monotonic()
+                raise
+            with self._lock:
+                self._db, self._lostAt = db, None
         return self._db
 
     def _disconnect(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        with self._lock:
+            db, self._db = self._db, None
+        if db is not None:
+            db.close()
 
     def _call(self, work: Callable[..., Any], *args: Any) -> Any:
         """*work(db, *args)*.  A connection lost or refused is :class:`StoreUnavailable`; one
@@ -258,18 +275,30 @@ class PostgresStore:
         return result
 
     def _renew(self) -> defer.Deferred[Any]:
-        claimed = set(self._claimed)
+        claimed, asked = set(self._claimed), self.reactor.seconds()
 
         def renewed(kept: set[str]) -> None:
-            for requestId in sorted(claimed - kept):
-                if requestId in self._claimed:  # (not completed or forgotten meanwhile)
-                    self._claimed.discard(requestId)
-                    if self.onLost is not None:
-                        self.onLost(requestId)
+            self._renewedAt = asked
+            self._lose(claimed - kept)
 
-        return self._run(self._renewed, self.lease, self.owner).addCallbacks(
-            renewed, lambda failure: report_failure(
-                log, failure, "Titanic store {path}: its claims were not renewed", path=self.path))
+        def failed(failure: Failure) -> None:
+            report_failure(log, failure, "Titanic store {path}: its claims were not renewed",
+                           path=self.path)
+            if self.reactor.seconds() >= self._renewedAt + self.lease * LAPSE_MARGIN:
+                self._lose(set(self._claimed))  # (another may take them over any moment now)
+
+        return self._run(self._renewed, self.lease, self.owner).addCallbacks(renewed, failed)
+
+    def _lose(self, lost: set[str]) -> None:
+        """Tell :attr:`onLost` of the claims in *lost* still held: they may be another's now."""
+        for requestId in sorted(lost & self._claimed):  # (not completed or forgotten meanwhile)
+            self._claimed.discard(requestId)
+            if self.onLost is not None:
+                try:
+                    self.onLost(requestId)
+                except Exception:
+                    log.failure("Titanic store {path}: onLost failed for {id}", path=self.path,
+                                id=requestId)
 
     def _stopPool(self) -> None:
         self._closing = True
@@ -293,13 +322,14 @@ class PostgresStore:
 
     def _interrupt(self) -> None:
         """Shut the connection's socket (from any thread): a call blocked on it fails at once."""
-        db = self._db
-        try:
-            fd = db.pgconn.socket if db is not None and not db.closed else -1
-            if fd >= 0:
-                transport.shut_socket(fd)
-        except (OSError, psycopg.Error):
-            pass  # closed meanwhile
+        with self._lock:  # (not closed meanwhile: its descriptor is still its own)
+            db = self._db
+            try:
+                fd = db.pgconn.socket if db is not None and not db.closed else -1
+                if fd >= 0:
+                    transport.shut_socket(fd)
+            except (OSError, psycopg.Error):
+                pass
 
     # --- ITitanicStore ----------------------------------------------------------------
 
@@ -318,6 +348,7 @@ class PostgresStore:
         self.owner = str(uuid.uuid4())
         self._closing, self._opening, self._down = False, True, None
         self._claimed = set()
+        self._renewedAt, self._lostAt = self.reactor.seconds(), None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
         self._pool.start()
         self._trigger = self.reactor.addSystemEventTrigger("during", "shutdown", self._stopPool)
@@ -354,7 +385,10 @@ class PostgresStore:
                      "only": None if onlyServices is None else [bytes(s) for s in onlyServices],
                      "me": self.owner, "limit": limit, "lease": self.lease}
 
+        asked = self.reactor.seconds()
+
         def read(rows: list[tuple[Any, ...]]) -> list[StoredRequest]:
+            self._renewedAt = asked  # (what it holds is claimed again)
             self._claimed = {*held, *(row[1] for row in rows)}
             return [_stored(row[1:]) for row in rows]
 

@@ -56,7 +56,13 @@ __all__ = [
 def shut_socket(fd: int) -> None:
     """Shut the socket behind descriptor *fd* both ways, from any thread: a call blocked on
     it (a database driver's, say) fails at once; the descriptor stays its owner's to close."""
-    with socket.socket(fileno=os.dup(fd)) as stuck:
+    copy = os.dup(fd)
+    try:
+        stuck = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        raise
+    with stuck:
         stuck.shutdown(socket.SHUT_RDWR)
 
 
