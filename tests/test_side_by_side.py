@@ -175,3 +175,48 @@ def test_the_sessions_of_a_broker_that_goes_spread_over_the_others() -> None:
     lists = [spread_over(["a", "b", "c"], n) for n in range(6)]
     assert [s[0] for s in lists] == ["a", "b", "c", "a", "b", "c"]
     assert [s[1] for s in lists if s[0] == "a"] == ["b", "c"]  # a's two sessions: b, then c
+
+
+def test_a_broker_that_failed_gets_one_request_at_a_time_until_one_succeeds() -> None:
+    brokers = ["a", "b"]
+    # its avoid time is over, and it has one request out: the others go elsewhere
+    assert least_outstanding(brokers, Counter(a=1, b=9), {"a": 0.0}, 10.0, 5.0, 0, ["a"]) == "b"
+    assert least_outstanding(brokers, Counter(a=0, b=9), {"a": 0.0}, 10.0, 5.0, 0, ["a"]) == "a"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_spread_client_probes_a_failed_broker_and_checks_what_it_is_given() -> None:
+    from twisted.internet import defer, task
+
+    from mdp import ServiceUnavailable, SpreadClient
+
+    clock = task.Clock()
+    client = SpreadClient(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], clock, avoid=5.0)
+    answers: dict[str, list[Any]] = {e: [] for e in client.endpoints}
+
+    class Fake:
+        def __init__(self, endpoint: str) -> None:
+            self.endpoint = endpoint
+
+        def request(self, service: Any, *frames: Any, **_: Any) -> Any:
+            d: defer.Deferred[list[bytes]] = defer.Deferred()
+            answers[self.endpoint].append(d)
+            return d
+
+        def close(self) -> Any:
+            return defer.succeed(None)
+
+    client.clients = {e: Fake(e) for e in client.endpoints}
+    a, b = client.endpoints
+    with pytest.raises(ValueError):
+        client.request("echo")  # no frames: a caller's mistake, at once
+    first = client.request("echo", b"1")
+    answers[a][0].errback(ServiceUnavailable(b"echo", b"503", "no worker"))  # tried on b next
+    assert len(answers[b]) == 1
+    answers[b][0].callback([b"1"])
+    assert (await first) == [b"1"]
+    clock.advance(6)  # past the avoid time: a is probed with one request, the rest go to b
+    for n in range(4):
+        client.request("echo", b"%d" % n)
+    assert (len(answers[a]), len(answers[b])) == (2, 4)
+    await client.close()

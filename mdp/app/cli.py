@@ -411,18 +411,25 @@ async def status(reactor: Any, options: Any) -> None:
     try:
         while True:
             lines = await _reports(clients, options)
-            if lines is None and watch is None:
-                raise SystemExit(1)
-            if lines is not None and watch is not None:  # on a cleared screen, or after a blank line
-                lines = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
-            if (lines is not None and not emit(*lines)) or watch is None:
-                if lines is not None and any(map(_unanswered, lines)):  # side by side, some did not
-                    raise SystemExit(1)
+            if watch is None:
+                _report_once(lines)
                 return
+            if lines is not None:  # on a cleared screen, or after a blank line
+                shown = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
+                if not emit(*shown):
+                    return
             await task.deferLater(reactor, watch)
     finally:
         for client in clients:
             await client.close()
+
+
+def _report_once(lines: Optional[list[str]]) -> None:
+    """Print a report; exit status 1 if there is none, or a broker side by side did not answer."""
+    if lines is None:
+        raise SystemExit(1)
+    if emit(*lines) and any(map(_unanswered, lines)):
+        raise SystemExit(1)
 
 
 #: what a side-by-side report says of a broker that did not answer (exit status 1 once out)

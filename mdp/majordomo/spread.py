@@ -11,7 +11,7 @@ import itertools
 import math
 import uuid
 from collections import Counter
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Collection, Optional, Sequence, Union
 
 from twisted.internet import defer
 
@@ -38,16 +38,21 @@ RETRY_ELSEWHERE = (RequestTimeout, BrokerUnreachable, TransportError, ServiceUna
 BROKER_FAILED = (RequestTimeout, BrokerUnreachable, TransportError)
 #: Seconds a broker that failed an attempt is passed over while another has not.
 DEFAULT_AVOID = 5.0
+#: Failures remembered (by broker, and by broker and service) before old ones are dropped.
+MOST_REMEMBERED = 4096
 
 
 def least_outstanding(endpoints: Sequence[str], outstanding: Counter[str], failedAt: dict[str, float],
-                      now: float, avoid: float, turn: int) -> str:
+                      now: float, avoid: float, turn: int, probing: Collection[str] = ()) -> str:
     """The broker for the next attempt: of those that have not failed in the last *avoid*
-    seconds (all, if every one has), the one with the fewest *outstanding*; ties go round,
-    starting at broker *turn*."""
+    seconds and are not *probing* with a request out already (all, if none is left), the one
+    with the fewest *outstanding*; ties go round, starting at broker *turn*.  A broker that
+    failed is *probing* until a request through it succeeds: one request at a time finds out
+    whether it is back, instead of a share of them."""
     start = turn % len(endpoints)
     order = [*endpoints[start:], *endpoints[:start]]
-    fresh = [e for e in order if now - failedAt.get(e, -math.inf) >= avoid] or order
+    fresh = [e for e in order if now - failedAt.get(e, -math.inf) >= avoid
+             and not (e in probing and outstanding[e] > 0)] or order
     return min(fresh, key=lambda e: outstanding[e])
 
 
@@ -76,6 +81,8 @@ class SpreadClient:
         self.outstanding: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
         self._failedAt: dict[Any, float] = {}  # by broker, and by (broker, service)
+        #: brokers (and (broker, service)) that failed, until a request through them succeeds
+        self._probing: set[Any] = set()
         self._turns = itertools.count()
         self._clientId = uuid.uuid4().bytes
         self._sequence = itertools.count()
@@ -99,22 +106,35 @@ class SpreadClient:
             now = self.reactor.seconds()
             failed = {e: max(self._failedAt.get(e, -math.inf), self._failedAt.get((e, service), -math.inf))
                       for e in self.endpoints}
+            probing = [e for e in self.endpoints if e in self._probing or (e, service) in self._probing]
             endpoint = least_outstanding(self.endpoints, self.outstanding, failed, now, self.avoid,
-                                         next(self._turns))
+                                         next(self._turns), probing)
             self.outstanding[endpoint] += 1
             self.sent[endpoint] += 1
             try:
-                return await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
+                reply = await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
             except RETRY_ELSEWHERE as e:
                 failure = e
-                if isinstance(e, BROKER_FAILED):
-                    self._failedAt[endpoint] = self.reactor.seconds()
-                elif not isinstance(e, DeadlineExceeded):  # (the handler's time, not the broker's)
-                    self._failedAt[(endpoint, service)] = self.reactor.seconds()
+                key = endpoint if isinstance(e, BROKER_FAILED) else (endpoint, service)
+                if not isinstance(e, DeadlineExceeded):  # (the handler's time, not the broker's)
+                    self._failed(key)
+            else:
+                self._probing.difference_update((endpoint, (endpoint, service)))
+                return reply
             finally:
                 self.outstanding[endpoint] -= 1
         assert failure is not None
         raise failure
+
+    def _failed(self, key: Any) -> None:
+        now = self.reactor.seconds()
+        if len(self._failedAt) >= MOST_REMEMBERED:  # (one per service at most: bounded)
+            stale = [k for k, at in self._failedAt.items() if now - at >= 10 * self.avoid]
+            for k in stale:
+                del self._failedAt[k]
+                self._probing.discard(k)
+        self._failedAt[key] = now
+        self._probing.add(key)
 
     def close(self) -> defer.Deferred[None]:
         """Close each broker's client (what is in flight fails with ClientClosed)."""
