@@ -485,7 +485,6 @@ def _summed(listings: list[dict[str, Any]]) -> list[str]:
 
 async def _report(client: Any, options: Any, alone: bool = True
                   ) -> Optional[tuple[list[str], list[bytes]]]:
-    """The lines of one report, or None once stderr says why there are none."""
     """The lines of one broker's (or failover list's) report, with its ``mmi.services`` reply;
     None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))

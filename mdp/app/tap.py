@@ -21,7 +21,7 @@ from mdp.handlers import load_handler
 from mdp.majordomo import broker
 from mdp.majordomo.codec import api_service_name, check_dialect
 from mdp.majordomo.idempotence import MemoryReplyStore, SQLiteReplyStore
-from mdp.majordomo.worker import ATTACH_MODES
+from mdp.majordomo.worker import check_attach
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
 from mdp.transport.curve import curve_server
@@ -504,12 +504,6 @@ class BrokerOptions(_HeartbeatOptions):
             **keywords(self, "curve-secret", "curve-allow", *(row[0] for row in _BROKER_BOUNDS)))
 
 
-def _attach_mode(value: str) -> str:
-    if value not in ATTACH_MODES:
-        raise ValueError(f"--attach is one of {', '.join(ATTACH_MODES)}, not {value!r}")
-    return value
-
-
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] [--handler echo|module:callable] "
                 "[--dialect rfc|majortomo] [--concurrency N] [options]")
@@ -529,8 +523,7 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
         _option("concurrency", 1, "Requests served at once (worker sessions of this process).",
                 whole_option, 1),
         ["attach", None, "one", "With several --broker: one (the others a failover list) or all "
-         "(side by side: the --concurrency sessions spread over them; at least one each).",
-         _attach_mode],
+         "(side by side: the --concurrency sessions spread over them; at least one each)."],
     ] + _METRICS_OPTIONS
     metrics = "WorkerMetrics"
 
@@ -541,10 +534,9 @@ class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
             raise usage.UsageError("--service is empty: a worker serves a service by its name")
         with usage_errors("service"):
             api_service_name(self["service"])
-        brokers = len(connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT))
-        if self["attach"] == "all" and self["concurrency"] < brokers:
-            raise usage.UsageError(f"--attach all to {brokers} brokers needs --concurrency {brokers} "
-                                   "at least (a session each)")
+        with usage_errors("attach"):
+            check_attach(self["attach"], self["concurrency"],
+                         len(connect_endpoints(self["broker"], "broker", DEFAULT_ENDPOINT)))
         with usage_errors("reply-db", (MDPError,)):
             self["replies"] = (SQLiteReplyStore(self["reply-db"], self["reply-store"] or 1_000_000)
                                if self["reply-db"] else

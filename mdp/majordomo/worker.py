@@ -498,6 +498,16 @@ class WorkerDriver:
 ATTACH_MODES = ("one", "all")
 
 
+def check_attach(attach: str, concurrency: int, brokers: int) -> None:
+    """``ValueError`` unless *attach* is a mode of :data:`ATTACH_MODES` that *concurrency*
+    sessions can keep over *brokers* brokers (attached to all: a session each at least)."""
+    if attach not in ATTACH_MODES:
+        raise ValueError(f"attach must be one of {', '.join(ATTACH_MODES)}, not {attach!r}")
+    if attach == "all" and concurrency < brokers:
+        raise ValueError(f"attach='all' to {brokers} brokers needs a concurrency of at least "
+                         f"{brokers} (a session for each), not {concurrency}")
+
+
 def spread_over(endpoints: Sequence[str], session: int) -> list[str]:
     """The failover list of worker session *session* attached to all of *endpoints*: each
     session starts at its own broker, in turn; the sessions of one broker list the others in
@@ -522,14 +532,8 @@ class Worker(WorkerDriver):
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
                  concurrency: int = 1, extensions: bool = True, attach: str = "one") -> None:
         whole_number("concurrency", concurrency)
-        if attach not in ATTACH_MODES:
-            raise ValueError(f"attach must be one of {', '.join(ATTACH_MODES)}, not {attach!r}")
         endpoints = transport.endpoint_list(endpoint)
-        if attach == "all" and concurrency < len(endpoints):
-            raise ValueError(f"attach='all' to {len(endpoints)} brokers needs a concurrency of at "
-                             f"least {len(endpoints)} (a session for each), not {concurrency}")
-        if attach == "all":
-            endpoint = endpoints
+        check_attach(attach, concurrency, len(endpoints))
         reactor = default_reactor(reactor)
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret,

@@ -141,9 +141,7 @@ class PostgresStore:
         self._renewal: Optional[task.LoopingCall] = None
         self._trigger: Any = None
         self._opening = self._closing = False
-        #: why the database is out of reach, and when to try it again (None: it is not)
-        self._down: Optional[str] = None
-        self._retryAt = 0.0
+        self._down = False  # the database was found out of reach (said once, and once back)
         self._used = (0, -SIZE_EVERY)  # (bytes, when asked) of the table
         #: the ids of the requests claimed and held, as of the last read
         self._claimed: set[str] = set()
@@ -152,9 +150,10 @@ class PostgresStore:
         self._lostAt: Optional[float] = None
         self._lock = threading.Lock()  # the connection, between the store's thread and a stop
 
-    def _scrub(self, text: str) -> str:
-        """*text* with neither the URL nor the password in it."""
-        text = text.replace(self.url, self.path)
+    def _said(self, error: Exception) -> str:
+        """What the database driver said, on one line naming the store, with neither the URL
+        nor the password in it."""
+        text = f"Titanic store {self.path}: {_first_line(error)}".replace(self.url, self.path)
         return text.replace(self._password, "***") if self._password else text
 
     # --- on the store's thread ------------------------------------------------------
@@ -189,13 +188,13 @@ class PostgresStore:
             return work(self._connection(), *args)
         except psycopg.OperationalError as e:
             if self._db is not None and not (self._db.broken or self._db.closed):
-                raise StoreError(self._scrub(f"Titanic store {self.path}: {_first_line(e)}")) from None
+                raise StoreError(self._said(e)) from None
             self._disconnect()
             if reused and not self._closing:
                 return self._call(work, *args)
-            raise StoreUnavailable(self._scrub(f"Titanic store {self.path}: {_first_line(e)}")) from None
+            raise StoreUnavailable(self._said(e)) from None
         except psycopg.Error as e:
-            raise StoreError(self._scrub(f"Titanic store {self.path}: {_first_line(e)}")) from None
+            raise StoreError(self._said(e)) from None
 
     def _prepare(self, db: Any) -> None:
         with db.transaction():
@@ -256,21 +255,18 @@ class PostgresStore:
     def _run(self, work: Callable[..., Any], *args: Any) -> defer.Deferred[Any]:
         if self._pool is None or self._closing:
             return defer.fail(StoreError(f"Titanic store {self.path} is closed"))
-        if self._down is not None and self.reactor.seconds() < self._retryAt:
-            return defer.fail(StoreUnavailable(self._down))
         return threads.deferToThreadPool(self.reactor, self._pool, self._call, work, *args
                                          ).addBoth(self._reached)
 
     def _reached(self, result: Any) -> Any:
         """Log once when the database goes out of reach, and once when it is back."""
         if isinstance(result, Failure) and result.check(StoreUnavailable):
-            self._retryAt = self.reactor.seconds() + RETRY_EVERY
-            if self._down is None and not self._opening:
+            if not self._down and not self._opening:
                 log.error("{reason}: out of reach; submits are refused until it is back",
                           reason=result.getErrorMessage())
-            self._down = result.getErrorMessage()
-        elif self._down is not None and not isinstance(result, Failure):
-            self._down = None
+            self._down = True
+        elif self._down and not isinstance(result, Failure):
+            self._down = False
             log.info("Titanic store {path} is reachable again", path=self.path)
         return result
 
@@ -346,7 +342,7 @@ class PostgresStore:
         self._settings = {k: v for k, v in CONNECT_DEFAULTS.items() if k not in parts}
         self.reactor = default_reactor(self.reactor)
         self.owner = str(uuid.uuid4())
-        self._closing, self._opening, self._down = False, True, None
+        self._closing, self._opening, self._down = False, True, False
         self._claimed = set()
         self._renewedAt, self._lostAt = self.reactor.seconds(), None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name=f"titanic-store {self.path}")
@@ -361,7 +357,7 @@ class PostgresStore:
 
         def refused(failure: Failure) -> Failure:
             self._opening = False
-            self._down = None
+            self._down = False
             self._stopPool()
             failure.trap(StoreError)
             return Failure(StoreError(f"cannot open {failure.getErrorMessage()}"))
