@@ -5,12 +5,14 @@ In the middle of a steady load the first host is cut off (its link to the bridge
 
     sudo .venv/bin/python examples/simulated_hosts.py [--requests 3000] [--titanic 300]
                                                       [--latency-ms 2] [--heartbeat 0.5]
+                                                      [--logs DIR]
 
-It prints a JSON report: every request answered, every Titanic request acknowledged
-answered, how many ran twice (the workers share one reply store, as a network share would
-be, and requests are stamped; a Titanic submit whose acknowledgement is lost with the cut
-host is submitted again, under a new id), the longest wait between two replies, and the
-brokers' CPU per 1,000 requests run (Titanic's own requests to the brokers included).
+It prints a JSON report: every request answered (those given up, with why), every Titanic
+request acknowledged answered, how many ran twice (the workers share one reply store, as a
+network share would be, and requests are stamped, Titanic submits by their client: one
+whose acknowledgement is lost with the cut host, stored again under a new id, runs once),
+the longest wait between two replies, and the brokers' CPU per 1,000 requests run
+(Titanic's own requests to the brokers included).
 Needs root (``ip netns``), Debian's ``postgresql`` and the ``postgres`` extra."""
 
 from __future__ import annotations
@@ -216,7 +218,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         client.wait(40)
         brokerCpu = sum(map(cpu_seconds, brokerPids)) - cpuBefore
         with open(os.path.join(scratch, "client.log")) as log:
-            report = json.loads(log.read().splitlines()[-1])
+            said = log.read()
+        try:
+            report = json.loads(said.rstrip().splitlines()[-1])
+        except (IndexError, ValueError):
+            raise RuntimeError(f"the client ended ({client.returncode}) without a report:\n"
+                               + said[-4000:]) from None
         runs: dict[bytes, int] = {}
         for path in glob.glob(os.path.join(run.env["RUNS"], "*")):
             with open(path, "rb") as f:
@@ -235,6 +242,10 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 hosts.remove()
             finally:
+                if args.logs:
+                    os.makedirs(args.logs, exist_ok=True)
+                    for path in glob.glob(os.path.join(scratch, "*.log")):
+                        shutil.copy(path, args.logs)
                 shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -247,17 +258,24 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
     from mdp.titanic import TitanicClient
 
     async def main(reactor: Any) -> None:
-        spread = SpreadClient(brokers, reactor, timeout=0.5, retries=10)
-        titan = TitanicClient(brokers, reactor, timeout=1.0, retries=10, pollInterval=0.2)
+        spread = SpreadClient(brokers, reactor, timeout=0.5, retries=30)
+        titan = TitanicClient(brokers, reactor, timeout=1.0, retries=15, pollInterval=0.2,
+                              stamp=True)
         answered: list[float] = []
         acked: list[tuple[str, bytes]] = []
         wrong: list[Any] = []
+        failed: list[str] = []  # (requests and submits that failed, why and when)
+        started = time.time()
         left = iter(range(requests))
 
         async def lane() -> None:
             for n in left:
                 body = b"r-%d" % n
-                reply = await spread.request("work", body)
+                try:
+                    reply = await spread.request("work", body)
+                except Exception as e:
+                    failed.append(f"{body.decode()}: {e!r} at {time.time() - started:.2f} s")
+                    continue
                 answered.append(time.time())
                 if reply[1:] != [body]:
                     wrong.append(n)
@@ -267,20 +285,27 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
         async def submit() -> None:
             for n in range(titanic):
                 body = b"t-%d" % n
-                acked.append((await titan.submit("work", body), body))
+                try:
+                    acked.append((await titan.submit("work", body), body))
+                except Exception as e:
+                    failed.append(f"{body.decode()}: {e!r} at {time.time() - started:.2f} s")
                 await task.deferLater(reactor, 0.03, lambda: None)  # (through the cut)
 
         await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(16)] +
                                   [defer.ensureDeferred(submit())])
         results = await defer.DeferredList(
-            [titan.result(requestId).addTimeout(20, reactor) for requestId, _ in acked])
+            [titan.result(requestId).addTimeout(20, reactor) for requestId, _ in acked],
+            consumeErrors=True)
         wrongTitanic = [body for (_, body), (ok, reply) in zip(acked, results)
                         if not ok or reply[1:] != [body]]
+        failed.extend(f"{body.decode()} ({requestId}): {reply.value!r}"
+                      for (requestId, body), (ok, reply) in zip(acked, results) if not ok)
         gaps = [b - a for a, b in zip(answered, answered[1:])]
         print(json.dumps({"requests": requests, "answered": len(answered), "wrong": len(wrong),
                           "titanicAcknowledged": len(acked),
                           "titanicAnswered": sum(1 for ok, _ in results if ok),
                           "titanicWrong": len(wrongTitanic), "longestGap": max(gaps or [0.0]),
+                          "failed": failed[:10],
                           "sent": dict(spread.sent)}), flush=True)
         await spread.close()
         await titan.client.close()
@@ -297,6 +322,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--titanic", type=int, default=300)
     parser.add_argument("--latency-ms", type=float, default=2.0)
     parser.add_argument("--heartbeat", type=float, default=0.5)
+    parser.add_argument("--logs", metavar="DIR", help="copy each process's log to DIR")
     print(json.dumps(simulate(parser.parse_args(argv)), indent=2))
 
 

@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mdp"
 #: lines in all of mdp/ (every feature included): a ceiling lowered as the
 #: package shrinks, raised only by what a new feature adds, in the change that
 #: adds it
-PACKAGE_LINES = 21_718  # 21,390 before brokers side by side;
+PACKAGE_LINES = 21_787  # 21,718 before sessions going home and stamped Titanic submits;
+#                        21,390 before brokers side by side;
 #                        20,951 before Titanic on PostgreSQL;
 #                        20,064 before deadlines, cancellation and trace context;
 #                        19,949 before exactly-once Spark streaming (stamps, SQLite store)

@@ -48,10 +48,10 @@ def test_a_workers_sessions_attached_to_all_start_each_at_its_own_broker() -> No
 async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str) -> None:
     """Two brokers, two workers of concurrency 2 attached to both, a client of both: each
     broker gets a share; one broker closed under load, every request is answered and no
-    worker ever holds more than 2."""
+    worker ever holds more than 2; that broker started again, its sessions come back."""
     from twisted.internet import defer, task
 
-    from mdp import Broker, SpreadClient, Worker
+    from mdp import Backoff, Broker, Client, SpreadClient, Worker
     from mdp.policy import HeartbeatPolicy
     from tests.conftest import RealNet
 
@@ -80,7 +80,7 @@ async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str
 
         for name in ("w1", "w2"):
             worker = Worker(endpoints, "echo", handler_of(name), net.reactor, heartbeat=heartbeat,
-                            concurrency=2, attach="all")
+                            concurrency=2, attach="all", homeward=Backoff(0.5, 1.0))
             worker.start()
             net.addCleanup(worker.stop)
         await net.until(lambda: all(b.machine.services.get(b"echo") is not None and
@@ -102,6 +102,17 @@ async def test_requests_spread_over_two_brokers_and_move_when_one_goes(kind: str
         # the sessions of the broker gone moved to the other one
         await net.until(lambda: brokers[0].machine.services[b"echo"].workers == 4, timeout=10)
         await load(400)  # all through the broker left
+        again = Broker(net.reactor, heartbeat=heartbeat)
+        net.addCleanup(again.close)
+        await again.listen(endpoints[1])  # (where the other was)
+        await net.until(lambda: again.machine.services.get(b"echo") is not None
+                        and again.machine.services[b"echo"].workers == 2, timeout=10)
+        await net.until(lambda: brokers[0].machine.services[b"echo"].workers == 2,
+                        timeout=10)  # each session at its own again
+        direct = Client(endpoints[1], net.reactor, timeout=2.0)
+        net.addCleanup(direct.close)
+        assert await defer.gatherResults([direct.request("echo", b"%d" % n) for n in range(50)]) == [
+            [b"%d" % n] for n in range(50)]  # served there again
         assert max(most.values()) <= 2, most
     finally:
         await net.cleanup()
@@ -220,3 +231,56 @@ async def test_a_spread_client_probes_a_failed_broker_and_checks_what_it_is_give
         client.request("echo", b"%d" % n)
     assert (len(answers[a]), len(answers[b])) == (2, 4)
     await client.close()
+
+
+def test_a_session_moved_to_another_broker_goes_back_to_its_own_once_idle() -> None:
+    """Its own broker gone, the session moves on; *homeward* later, idle, it says DISCONNECT
+    and tries its own again; not there yet, it moves on again and waits twice as long; a
+    session with a request in hand goes back once its FINAL is out."""
+    from twisted.internet import defer
+
+    from mdp import Backoff, Worker
+    from mdp.majordomo import codec
+    from mdp.testing import Close, Elapse, Open, Receive, Script, Send
+    from tests.test_machines_majordomo import DISCONNECT, HB, HEARTBEAT, READY, W
+
+    script = Script(autoConnect=True)
+    own, other = script.endpoint("b1"), script.endpoint("b2")
+    held: list[defer.Deferred[list[bytes]]] = []
+
+    def handler(frames: list[bytes]) -> defer.Deferred[list[bytes]]:
+        held.append(defer.Deferred())
+        return held[-1]
+
+    worker = Worker([own, other], "echo", handler, reactor=script.clock, heartbeat=HB,
+                    extensions=False, backoff=Backoff(initial=1.0, maximum=32.0))
+    worker.machine.homeward = Backoff(initial=10.0, maximum=40.0)  # (as attach="all" sets)
+    worker.start()
+    script.feed()
+
+    def served_by(pipe: str, seconds: float) -> list[Any]:
+        """*seconds* pass with the broker at *pipe* answering each heartbeat."""
+        actions: list[Any] = []
+        for _ in range(int(seconds * 2)):
+            actions += script.feed(Elapse(0.5))
+            if Close(pipe) in actions:
+                break
+            actions += script.feed(Receive(pipe, HEARTBEAT))
+        return [a for a in actions if a != Send(pipe, HEARTBEAT)]
+
+    going = [Send(other + "#1", DISCONNECT), Close(other + "#1"), Open(own + "#2"), Send(own + "#2", READY)]
+    tail = script.feed(Elapse(3.5))  # its own silent: moved on, at 3.5 s
+    assert tail[-3:] == [Close(own + "#1"), Open(other + "#1"), Send(other + "#1", READY)]
+    assert served_by(other + "#1", 9.5) == []  # 13 s
+    assert served_by(other + "#1", 0.5) == going  # 13.5 s: back to its own
+    assert script.feed(Elapse(3.5))[-3:] == [  # its own still silent: on again
+        Close(own + "#2"), Open(other + "#2"), Send(other + "#2", READY)]
+    assert served_by(other + "#2", 19.5) == []  # twice as long this time
+    script.feed(Receive(other + "#2", [W, codec.W_REQUEST, b"c", b"", b"x"]))  # in hand
+    assert served_by(other + "#2", 1.0) == []  # due, but busy
+    held[-1].callback([b"X"])
+    assert script.actions[-3:] == [Send(other + "#2", [W, codec.W_FINAL, b"c", b"", b"X"]),
+                                   Send(other + "#2", DISCONNECT), Close(other + "#2")]
+    assert script.feed() == [Open(own + "#3"), Send(own + "#3", READY)]
+    script.feed(Receive(own + "#3", HEARTBEAT))  # its own answers: the schedule starts over
+    assert worker.machine.homeTries == 0 and worker.endpoint == own

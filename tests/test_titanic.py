@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer
+from twisted.internet import defer, task
 
 from mdp.errors import TitanicError, UnknownRequest, WorkerError
+from mdp.majordomo.idempotence import MemoryReplyStore
 from mdp.policy import Backoff
 from mdp.titanic import Titanic, TitanicClient, protocol
 from mdp.titanic.server import TitanicServer
@@ -540,3 +541,40 @@ async def test_a_read_raising_at_once_is_a_failed_read_tried_again(
     start_worker(clocknet, endpoint, "echo", echo)
     assert await clocknet.wait(client.call("echo", b"served")) == [b"served"]
     assert store.raised
+
+
+class FirstAddLate(Recorded):
+    """Stores its first request *late* seconds after it is asked to (an acknowledgement
+    that comes after the client gave up on it)."""
+
+    def __init__(self, reactor: Any, late: float) -> None:
+        super().__init__()
+        self.reactor, self.late = reactor, late
+        self.delayed = False
+
+    def add(self, service: bytes, frames: list[bytes], now: float) -> Any:
+        if self.delayed:
+            return super().add(service, frames, now)
+        self.delayed = True
+        return task.deferLater(self.reactor, self.late, lambda: None).addCallback(
+            lambda _: super(FirstAddLate, self).add(service, frames, self.reactor.seconds()))
+
+
+@pytest.mark.parametrize("stamp, runs", [(True, 1), (False, 2)])
+@pytest_twisted.ensureDeferred
+async def test_a_stamped_submit_stored_twice_runs_once_with_a_reply_store(
+        clocknet: LoopbackNet, stamp: bool, runs: int) -> None:
+    store = FirstAddLate(clocknet.reactor, late=3.0)
+    broker, _, endpoint, node = await whole(clocknet, store)
+    ran: list[list[bytes]] = []
+    start_worker(clocknet, endpoint, "echo", lambda frames: (ran.append(frames), frames)[1],
+                 replies=MemoryReplyStore())
+    client = TitanicClient(endpoint, clocknet.reactor, timeout=1.0, retries=3, stamp=stamp,
+                           pollInterval=0.5)
+    clocknet.addCleanup(client.disconnect)
+    requestId = await clocknet.wait(client.submit("echo", b"once"))  # the second attempt's id
+    assert await clocknet.wait(client.result(requestId)) == [b"once"]
+    await clocknet.until(lambda: len(store.ids) == 2)  # the first attempt, stored late
+    first = next(i for i in store.ids if i != requestId)
+    assert await clocknet.wait(client.result(first)) == [b"once"]
+    assert ran == [[b"once"]] * runs  # stamped: the copy is answered from the reply store

@@ -95,6 +95,30 @@ async def test_a_dead_stores_claims_are_taken_over_once_its_lease_lapses(databas
 
 @pytest.mark.timeout(30)
 @pytest_twisted.ensureDeferred
+async def test_a_claim_cut_off_before_its_commit_holds_its_rows_only_5_s(database: Any) -> None:
+    """A Titanic cut off between the statements of a claim leaves its session in a
+    transaction, its rows locked (read past by the others): the server ends it after 5 s."""
+    store = await opened(database.url())
+    cut = psycopg.connect(database.url(), **store._settings)  # (the store's own settings)
+    try:
+        requestId = await store.add(b"echo", [b"x"], 1.0)
+        cut.execute(f"SELECT id FROM {TABLE} FOR UPDATE")  # (and never a commit)
+        assert await store.pending(10) == []  # locked: read past
+        started = reactor().seconds()
+        found: list[str] = []
+        while not found:
+            found = [r.id for r in await store.pending(10)]
+            await task.deferLater(reactor(), 0.1, lambda: None)
+        assert found == [requestId] and 4.5 <= reactor().seconds() - started < 8
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # ended under it
+            cut.execute("SELECT 1")
+    finally:
+        cut.close()
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest_twisted.ensureDeferred
 async def test_stores_reading_at_once_claim_each_request_once(database: Any) -> None:
     stores = [await opened(database.url()) for _ in range(4)]
     try:

@@ -198,7 +198,9 @@ class DemoOptions(tap.VersionedOptions):
 
 
 class TitanicSubmitOptions(_RequestOptions):
-    synopsis = f"{_BROKERS} SERVICE FRAME [FRAME...]"
+    synopsis = f"{_BROKERS} [--stamp] SERVICE FRAME [FRAME...]"
+    optFlags = [["stamp", None, "Stamp the request (the same stamp on every attempt): a submit "
+                 "tried again after a lost acknowledgement runs once where workers keep a reply store."]]
 
 
 def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:
@@ -630,8 +632,8 @@ async def sp_request(reactor: Any, options: SPRequestOptions) -> None:
 
 async def titanic(reactor: Any, options: TitanicOptions) -> None:
     command, sub = options.subCommand, options.subOptions
-    client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"],
-                           retries=sub["retries"], **tap.curve_client_of(sub))
+    client = TitanicClient(sub["brokers"], reactor, timeout=sub["timeout"], retries=sub["retries"],
+                           stamp=bool(sub.get("stamp")), **tap.curve_client_of(sub))
     try:
         if command == "submit":
             emit(await client.submit(sub["service"], *sub["frames"]))

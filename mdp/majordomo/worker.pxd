@@ -7,6 +7,7 @@ cdef class WorkerMachine(Machine):
     cdef public object _rotation, service, heartbeat, backoff, dialect, limits
     cdef public object state, liveness, failures, refusals, current, answered, generation
     cdef public object connectWhy, connectSaidAt, extensions, asked, _unasked
+    cdef public object homeward, homeAt, homeTries
 
     cpdef list handleMessage(self, frames, now)
     cpdef tuple handleReply(self, job, kind, frames, now, store=*)

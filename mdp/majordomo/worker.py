@@ -42,6 +42,7 @@ from mdp.majordomo.codec import (
 from mdp.majordomo.idempotence import STAMP_MARKER
 from mdp.messages import text as label
 from mdp.policy import (
+    JITTER,
     PIRATE,
     Backoff,
     EndpointRotation,
@@ -96,6 +97,9 @@ ClosePipe = _action("ClosePipe")  # (what was sent on it goes first)
 #: call :meth:`WorkerMachine.handleReopen` after *delay*, having left *endpoint*,
 #: *silent* that long (``None``: DISCONNECT)
 ReopenAfter = _action("ReopenAfter", "delay", "endpoint", "silent")
+#: the session left *endpoint* (DISCONNECT sent) to try its first broker, *home*, again: call
+#: :meth:`WorkerMachine.handleReopen` now
+ReturnHome = _action("ReturnHome", "home", "endpoint")
 #: answer *job*, reporting each part to :meth:`WorkerMachine.handleReply`
 Serve = _action("Serve", "job", "body")
 #: the broker cancelled the request in hand for *client*: give it up (its handler's Deferred)
@@ -137,9 +141,15 @@ class WorkerMachine(Machine):
     def __init__(self, endpoints: list[str], service: bytes, *,
                  heartbeat: HeartbeatPolicy = HeartbeatPolicy(), backoff: Backoff = PIRATE,
                  dialect: str = codec.RFC, limits: Limits = Limits(), extensions: bool = True,
-                 now: float = 0.0) -> None:
+                 homeward: Optional[Backoff] = None, now: float = 0.0) -> None:
         super().__init__(now)
         self._rotation = EndpointRotation(endpoints)
+        #: with a schedule, a session idle on another broker than its first goes back to the
+        #: first after its delay (brokers side by side: spread again once a broker is back);
+        #: each try that does not reach it makes the next wait longer
+        self.homeward = homeward
+        self.homeAt: Optional[float] = None  # when to go back (READY away from the first)
+        self.homeTries = 0  # tries since the first broker last answered
         #: declare the request-context extension to each broker (RFC dialect only)
         self.extensions = extensions and dialect == RFC
         self.asked = False  # on this connection
@@ -206,6 +216,8 @@ class WorkerMachine(Machine):
         self.current = None
         self.answered = False
         self.liveness.heard(now)
+        self.homeAt = (None if self.homeward is None or self._rotation.index == 0
+                       else now + self.homeward.delay(self.homeTries))
         # declares the extension to a broker that takes it (not again where asking cost
         # the connection: a broker that takes no client command from a worker)
         self.asked = self.extensions and self._unasked.get(self.endpoint, 0) < 2
@@ -277,9 +289,27 @@ class WorkerMachine(Machine):
                 delay = 0.0  # another broker to try: at once
             self.failures += 1
             self._reconnect(delay, liveness.silence(now))
-        elif state is READY and liveness.due(now, 0.75):
-            self._send(codec.HEARTBEAT)
+        elif state is READY:
+            if liveness.due(now, 0.75):
+                self._send(codec.HEARTBEAT)
+            if self._homeDue(now):
+                self._returnHome()
         return self._drain()
+
+    def _homeDue(self, now: float) -> bool:
+        """Idle away from the first broker for as long as the homeward schedule says."""
+        return self.homeAt is not None and now >= self.homeAt and self.current is None
+
+    def _returnHome(self) -> None:
+        self.homeTries += 1
+        self.homeAt = None
+        self._send(codec.DISCONNECT)
+        self.state = BACKING_OFF
+        self.generation += 1
+        self._outbox.append(ClosePipe())
+        left = self.endpoint
+        self._rotation.index = 0
+        self._outbox.append(ReturnHome(self.endpoint, left))
 
     def handleBlocked(self, now: float) -> list[Action]:
         """A handler blocked us until *now*: the broker's silence is not held against it."""
@@ -313,6 +343,8 @@ class WorkerMachine(Machine):
         self.liveness.heard(self.now)
         self.failures = 0
         self.answered = True
+        if self._rotation.index == 0:
+            self.homeTries = 0
         if kind is WorkerRequest or kind is Heartbeat:
             self.refusals = 0
             if kind is WorkerRequest:
@@ -380,6 +412,8 @@ class WorkerMachine(Machine):
         self.liveness.sent(self.now)
         if final:
             self.current = None
+            if self.homeAt is not None and self.now >= self.homeAt:  # (busy at the ticks)
+                self._returnHome()
         return tooLarge is None
 
     def _send(self, command: Any) -> None:
@@ -451,18 +485,27 @@ class WorkerDriver:
             pipe, self.transport = self.transport, None
             if pipe is not None:
                 return pipe.close()
-        elif kind is ReopenAfter:
-            if action.silent is None:
-                log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
-                         service=service, delay=action.delay)
-            else:
-                log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
-                         "reconnects in {delay:g}s", endpoint=action.endpoint,
-                         silence=action.silent, service=service, delay=action.delay)
-            self._reopenAfter(action.delay)
+        elif kind is ReopenAfter or kind is ReturnHome:
+            self._reopening(action, service)
         else:
             self._report(kind, action, service)
         return None
+
+    def _reopening(self, action: Action, service: str) -> None:
+        """Say why the pipe is opened again (ReopenAfter, ReturnHome), and open it when due."""
+        if type(action) is ReturnHome:
+            log.info("worker for {service} leaves {endpoint} to go back to {home}, its first broker",
+                     service=service, endpoint=action.endpoint, home=action.home)
+            self._reopenAfter(0.0)
+            return
+        if action.silent is None:
+            log.info("worker for {service} got DISCONNECT; registering again in {delay:g}s",
+                     service=service, delay=action.delay)
+        else:
+            log.warn("broker {endpoint} silent for {silence:.1f}s; worker for {service} "
+                     "reconnects in {delay:g}s", endpoint=action.endpoint,
+                     silence=action.silent, service=service, delay=action.delay)
+        self._reopenAfter(action.delay)
 
     def _report(self, kind: type, action: Action, service: str) -> None:
         """Log what the machine reports (throttled where the broker could flood it)."""
@@ -498,6 +541,12 @@ class WorkerDriver:
 ATTACH_MODES = ("one", "all")
 
 
+#: When a session attached to all brokers, idle on another than its own, tries its own again
+#: (its own back after a restart: the sessions spread evenly again); each try that does not
+#: reach it doubles the wait, up to 5 minutes.
+HOMEWARD = Backoff(initial=30.0, maximum=300.0, jitter=JITTER)
+
+
 def check_attach(attach: str, concurrency: int, brokers: int) -> None:
     """``ValueError`` unless *attach* is a mode of :data:`ATTACH_MODES` that *concurrency*
     sessions can keep over *brokers* brokers (attached to all: a session each at least)."""
@@ -522,7 +571,8 @@ class Worker(WorkerDriver):
     """An MDP/0.2 worker for one *service* over a real transport, one broker at a time
     (docs/mdp.md); with *concurrency* N, N worker sessions (this one first, in :attr:`sessions`).
     With ``attach="all"`` and several brokers, the sessions are spread over the brokers side by
-    side (:func:`spread_over`): never more than N requests in hand over all of them."""
+    side (:func:`spread_over`): never more than N requests in hand over all of them; a session
+    that moved to another broker goes back to its own, once idle, on the *homeward* schedule."""
 
     def __init__(self, endpoint: Union[str, Sequence[str]], service: Union[str, bytes],
                  handler: Handler, reactor: Optional[Any] = None, *,
@@ -530,7 +580,8 @@ class Worker(WorkerDriver):
                  dialect: str = codec.RFC, replies: Optional[idempotence.IReplyStore] = None,
                  limits: Limits = Limits(), metrics: Optional[Any] = None,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None,
-                 concurrency: int = 1, extensions: bool = True, attach: str = "one") -> None:
+                 concurrency: int = 1, extensions: bool = True, attach: str = "one",
+                 homeward: Backoff = HOMEWARD) -> None:
         whole_number("concurrency", concurrency)
         endpoints = transport.endpoint_list(endpoint)
         check_attach(attach, concurrency, len(endpoints))
@@ -538,7 +589,8 @@ class Worker(WorkerDriver):
         options = dict(heartbeat=heartbeat, backoff=backoff, dialect=dialect, limits=limits,
                        curveServerPublic=curveServerPublic, curveSecret=curveSecret,
                        extensions=extensions)
-        super().__init__(endpoint, service, handler, reactor, **options)
+        home = homeward if attach == "all" and len(endpoints) > 1 else None
+        super().__init__(endpoint, service, handler, reactor, homeward=home, **options)
         self.reactor = reactor
         self.replies = replies
         self.streamPauses = 0  # times a stream waited for the queue to drain
@@ -567,6 +619,7 @@ class Worker(WorkerDriver):
                 session = Worker(failover, service, handler, reactor, replies=replies,
                                  metrics=metrics, **options)
                 session.links, session.owner = self.links, self
+                session.machine.homeward = home
                 session.readyLogLevel = LogLevel.debug
                 self.sessions.append(session)
 

@@ -4,6 +4,7 @@ A worker's error reply is raised as the same typed error as from
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from typing import Any, Optional, Sequence, Union
 
@@ -14,6 +15,7 @@ from mdp import errors
 from mdp.errors import RemoteError, TitanicError, UnknownRequest
 from mdp.majordomo import codec
 from mdp.majordomo.client import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Client
+from mdp.majordomo.idempotence import stamp as stamped_body
 from mdp.messages import Frame, remote_error, request_frames
 from mdp.policy import Limits, default_reactor, positive_seconds
 from mdp.titanic import protocol
@@ -40,13 +42,20 @@ def _check_id(requestId: str) -> bytes:
 
 class TitanicClient:
     """Titanic's services through *broker* (one endpoint or a failover list).
-    *timeout* and *retries* are those of each call to Titanic itself."""
+    *timeout* and *retries* are those of each call to Titanic itself.  With *stamp*, each
+    submitted request carries an idempotence stamp, the same on every attempt, that Titanic
+    passes on: a submit tried again after its acknowledgement was lost is stored twice (under
+    two ids) but runs once where the service's workers keep a reply store.  Leave it off for
+    workers that would see the stamp as frames of the body."""
 
     def __init__(self, broker: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
                  pollInterval: float = DEFAULT_POLL_INTERVAL, timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = DEFAULT_RETRIES, limits: Limits = Limits(),
+                 retries: int = DEFAULT_RETRIES, limits: Limits = Limits(), stamp: bool = False,
                  curveServerPublic: Optional[str] = None, curveSecret: Optional[str] = None) -> None:
         self.reactor = default_reactor(reactor)
+        self.stamp = stamp
+        self._clientId = uuid.uuid4().bytes
+        self._sequence = itertools.count()
         self.pollInterval = positive_seconds("pollInterval", pollInterval)
         self.client = Client(broker, self.reactor, timeout=timeout, retries=retries, limits=limits,
                              curveServerPublic=curveServerPublic, curveSecret=curveSecret)
@@ -67,6 +76,8 @@ class TitanicClient:
         Arguments are checked at once, as by ``Client.request``."""
         name = codec.api_service_name(service)
         body = request_frames(frames)
+        if self.stamp:
+            body = stamped_body(self._clientId, next(self._sequence), body)
 
         async def submit() -> str:
             reply = await self._titanic(protocol.REQUEST, name, *body)
