@@ -284,3 +284,33 @@ def test_a_session_moved_to_another_broker_goes_back_to_its_own_once_idle() -> N
     assert script.feed() == [Open(own + "#3"), Send(own + "#3", READY)]
     script.feed(Receive(own + "#3", HEARTBEAT))  # its own answers: the schedule starts over
     assert worker.machine.homeTries == 0 and worker.endpoint == own
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_no_broker_answered_fails_naming_every_broker_tried() -> None:
+    from twisted.internet import defer, task
+
+    from mdp import BrokerUnreachable, RequestTimeout, SpreadClient
+
+    clock = task.Clock()
+    client = SpreadClient(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], clock, retries=3)
+    a, b = client.endpoints
+    failures = iter([RequestTimeout(b"echo", 1, 2.5, [a]),
+                     BrokerUnreachable({b: "connection refused"}),
+                     RequestTimeout(b"echo", 1, 2.5, [a])])
+
+    class Failing:
+        def request(self, service: Any, *frames: Any, **_: Any) -> Any:
+            clock.advance(2.5)
+            return defer.fail(next(failures))
+
+        def close(self) -> Any:
+            return defer.succeed(None)
+
+    client.clients = {e: Failing() for e in client.endpoints}
+    with pytest.raises(RequestTimeout) as raised:
+        await client.request("echo", b"x")
+    assert raised.value.attempts == 3 and raised.value.elapsed == 7.5
+    assert raised.value.endpoints == (a, b)
+    assert str(raised.value) == (f"no reply from brokers at {a}, {b} (connection refused) after "
+                                 "3 attempts (7.5 s) to a request for service 'echo'")

@@ -56,6 +56,15 @@ def least_outstanding(endpoints: Sequence[str], outstanding: Counter[str], faile
     return min(fresh, key=lambda e: outstanding[e])
 
 
+def _why(failure: Exception, endpoint: str) -> str:
+    """Why an attempt at *endpoint* failed, in a few words ("" for a timeout)."""
+    if isinstance(failure, RequestTimeout):
+        return ""
+    if isinstance(failure, BrokerUnreachable):
+        return failure.failures.get(endpoint, "unreachable")
+    return str(failure)
+
+
 class SpreadClient:
     """A :class:`~mdp.Client` of each of *endpoints* (brokers side by side).  A request makes
     up to *retries* attempts (as a Client's *retries* counts them) of *timeout* seconds each,
@@ -102,6 +111,8 @@ class SpreadClient:
     async def _request(self, service: bytes, body: list[bytes], timeout: Optional[float],
                        attempts: int) -> list[bytes]:
         failure: Optional[Exception] = None
+        startedAt = self.reactor.seconds()
+        tried: dict[str, str] = {}  # each broker tried, and why it failed unless it timed out
         for _ in range(attempts):
             now = self.reactor.seconds()
             failed = {e: max(self._failedAt.get(e, -math.inf), self._failedAt.get((e, service), -math.inf))
@@ -115,6 +126,7 @@ class SpreadClient:
                 reply = await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
             except RETRY_ELSEWHERE as e:
                 failure = e
+                tried[endpoint] = _why(e, endpoint)
                 key = endpoint if isinstance(e, BROKER_FAILED) else (endpoint, service)
                 if not isinstance(e, DeadlineExceeded):  # (the handler's time, not the broker's)
                     self._failed(key)
@@ -124,6 +136,9 @@ class SpreadClient:
             finally:
                 self.outstanding[endpoint] -= 1
         assert failure is not None
+        if isinstance(failure, BROKER_FAILED):  # (not the service's own answer: name every broker)
+            raise RequestTimeout(service, attempts, self.reactor.seconds() - startedAt, list(tried),
+                                 failures={e: why for e, why in tried.items() if why})
         raise failure
 
     def _failed(self, key: Any) -> None:
