@@ -36,6 +36,9 @@ def test_a_workers_sessions_attached_to_all_start_each_at_its_own_broker() -> No
                     concurrency=4, attach="all")
     assert [s.machine.endpoint[-1] for s in worker.sessions] == ["1", "2", "1", "2"]
     assert all(len(s.machine.endpoints) == 2 for s in worker.sessions)  # each fails over
+    assert all(s.machine.homeward is not None for s in worker.sessions)  # and goes back
+    failover = Worker(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], "echo", lambda f: f, concurrency=2)
+    assert all(s.machine.homeward is None for s in failover.sessions)  # a failover list stays
     with pytest.raises(ValueError, match="concurrency of at least 2"):
         Worker(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], "echo", lambda f: f, attach="all")
     with pytest.raises(ValueError, match="attach must be one of"):
@@ -314,3 +317,27 @@ async def test_a_request_no_broker_answered_fails_naming_every_broker_tried() ->
     assert raised.value.endpoints == (a, b)
     assert str(raised.value) == (f"no reply from brokers at {a}, {b} (connection refused) after "
                                  "3 attempts (7.5 s) to a request for service 'echo'")
+
+
+def test_a_session_its_own_broker_turns_away_waits_twice_as_long_before_trying_again() -> None:
+    from mdp import Backoff, Worker
+    from mdp.testing import Close, Elapse, Open, Receive, Script, Send
+    from tests.test_machines_majordomo import DISCONNECT, HB, HEARTBEAT, READY
+
+    script = Script(autoConnect=True)
+    own, other = script.endpoint("b1"), script.endpoint("b2")
+    worker = Worker([own, other], "echo", lambda f: f, reactor=script.clock, heartbeat=HB,
+                    extensions=False, backoff=Backoff(initial=1.0, maximum=32.0))
+    worker.machine.homeward = Backoff(initial=10.0, maximum=40.0)
+    worker.start()
+    script.feed(Elapse(3.5))  # its own silent: moved on
+    for _ in range(20):  # 10 s, the other answering
+        script.feed(Elapse(0.5))
+        if Close(other + "#1") in script.actions:
+            break
+        script.feed(Receive(other + "#1", HEARTBEAT))
+    assert script.actions[-2:] == [Open(own + "#2"), Send(own + "#2", READY)]
+    # its own turns it away (at its worker limit, say): on at once, and a longer wait
+    assert script.feed(Receive(own + "#2", DISCONNECT)) == [
+        Close(own + "#2"), Open(other + "#2"), Send(other + "#2", READY)]
+    assert worker.machine.homeTries == 1 and worker.machine.homeAt == script.clock.seconds() + 20.0

@@ -200,7 +200,7 @@ class DemoOptions(tap.VersionedOptions):
 class TitanicSubmitOptions(_RequestOptions):
     synopsis = f"{_BROKERS} [--stamp] SERVICE FRAME [FRAME...]"
     optFlags = [["stamp", None, "Stamp the request (the same stamp on every attempt): a submit "
-                 "tried again after a lost acknowledgement runs once where workers keep a reply store."]]
+                 "stored again after a lost acknowledgement is answered from the workers' reply store."]]
 
 
 def _single_argument(args: Sequence[str], name: str, missing: str, beyond: str = "") -> str:

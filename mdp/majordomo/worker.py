@@ -301,14 +301,12 @@ class WorkerMachine(Machine):
         return self.homeAt is not None and now >= self.homeAt and self.current is None
 
     def _returnHome(self) -> None:
-        self.homeTries += 1
-        self.homeAt = None
+        self.homeTries, self.homeAt = self.homeTries + 1, None
         self._send(codec.DISCONNECT)
         self.state = BACKING_OFF
         self.generation += 1
         self._outbox.append(ClosePipe())
-        left = self.endpoint
-        self._rotation.index = 0
+        left, self._rotation.index = self.endpoint, 0
         self._outbox.append(ReturnHome(self.endpoint, left))
 
     def handleBlocked(self, now: float) -> list[Action]:
@@ -343,10 +341,10 @@ class WorkerMachine(Machine):
         self.liveness.heard(self.now)
         self.failures = 0
         self.answered = True
-        if self._rotation.index == 0:
-            self.homeTries = 0
         if kind is WorkerRequest or kind is Heartbeat:
             self.refusals = 0
+            if self._rotation.index == 0:  # (home took it: a DISCONNECT is a failed try)
+                self.homeTries = 0
             if kind is WorkerRequest:
                 self._request(client, body)
         elif kind is WorkerCancel:
@@ -494,8 +492,9 @@ class WorkerDriver:
     def _reopening(self, action: Action, service: str) -> None:
         """Say why the pipe is opened again (ReopenAfter, ReturnHome), and open it when due."""
         if type(action) is ReturnHome:
-            log.info("worker for {service} leaves {endpoint} to go back to {home}, its first broker",
-                     service=service, endpoint=action.endpoint, home=action.home)
+            log.emit(self.readyLogLevel, "worker for {service} leaves {endpoint} to go back to "
+                     "{home}, its first broker", service=service, endpoint=action.endpoint,
+                     home=action.home)
             self._reopenAfter(0.0)
             return
         if action.silent is None:

@@ -45,7 +45,8 @@ class TitanicClient:
     *timeout* and *retries* are those of each call to Titanic itself.  With *stamp*, each
     submitted request carries an idempotence stamp, the same on every attempt, that Titanic
     passes on: a submit tried again after its acknowledgement was lost is stored twice (under
-    two ids) but runs once where the service's workers keep a reply store.  Leave it off for
+    two ids), and the copy sent after the other finished is answered from the reply store of
+    the service's workers, if they keep one.  Leave it off for
     workers that would see the stamp as frames of the body."""
 
     def __init__(self, broker: Union[str, Sequence[str]], reactor: Optional[Any] = None, *,
