@@ -341,3 +341,37 @@ def test_a_session_its_own_broker_turns_away_waits_twice_as_long_before_trying_a
     assert script.feed(Receive(own + "#2", DISCONNECT)) == [
         Close(own + "#2"), Open(other + "#2"), Send(other + "#2", READY)]
     assert worker.machine.homeTries == 1 and worker.machine.homeAt == script.clock.seconds() + 20.0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_spread_stream_gives_its_parts_and_is_not_tried_again_part_way() -> None:
+    from twisted.internet import defer, task
+
+    from mdp import RequestTimeout, SpreadClient
+
+    clock = task.Clock()
+    client = SpreadClient(["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"], clock, retries=3)
+    asked: list[str] = []
+
+    class Streaming:
+        def __init__(self, endpoint: str, fails: bool) -> None:
+            self.endpoint, self.fails = endpoint, fails
+
+        def request(self, service: Any, *frames: Any, onPartial: Any = None, **_: Any) -> Any:
+            asked.append(self.endpoint)
+            onPartial([b"part"])
+            if self.fails:
+                return defer.fail(RequestTimeout(b"echo", 1, 2.5, [self.endpoint]))
+            return defer.succeed([b"last"])
+
+        def close(self) -> Any:
+            return defer.succeed(None)
+
+    a, b = client.endpoints
+    client.clients = {a: Streaming(a, fails=False), b: Streaming(b, fails=True)}
+    parts: list[list[bytes]] = []
+    assert await client.request("echo", b"x", onPartial=parts.append) == [b"last"]
+    assert parts == [[b"part"]] and asked == [a]
+    with pytest.raises(RequestTimeout):  # b, part-way: its parts would come twice from a
+        await client.request("echo", b"y", onPartial=parts.append)
+    assert asked == [a, b] and parts == [[b"part"]] * 2

@@ -539,19 +539,10 @@ async def _not_serving(client: Any, timeout: float) -> Optional[str]:
 
 
 async def call(reactor: Any, options: CallOptions) -> None:
-    if options["side-by-side"]:
-        spread = SpreadClient(options["brokers"], reactor, timeout=options["timeout"],
-                              retries=options["retries"], dialect=options["dialect"], extensions=False,
-                              **tap.curve_client_of(options))
-        try:
-            reply = await spread.request(options["service"], *options["frames"])
-        finally:
-            await spread.close()
-        emit(*map(show, reply))
-        return
+    kind = SpreadClient if options["side-by-side"] else Client
     # (one request: asking for the extensions would come after it)
-    client = Client(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
-                    dialect=options["dialect"], extensions=False, **tap.curve_client_of(options))
+    client = kind(options["brokers"], reactor, timeout=options["timeout"], retries=options["retries"],
+                  dialect=options["dialect"], extensions=False, **tap.curve_client_of(options))
 
     def partial(frames: list[bytes]) -> None:
         if not emit(*map(show, frames)) and request is not None:

@@ -11,7 +11,7 @@ import itertools
 import math
 import uuid
 from collections import Counter
-from typing import Any, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 from twisted.internet import defer
 
@@ -97,8 +97,11 @@ class SpreadClient:
         self._sequence = itertools.count()
 
     def request(self, service: Union[str, bytes], *frames: Any, timeout: Optional[float] = None,
-                retries: Optional[int] = None) -> defer.Deferred[list[bytes]]:
-        """The reply of *service* to *frames*, from whichever broker's workers serve it."""
+                retries: Optional[int] = None,
+                onPartial: Optional[Callable[[list[bytes]], Any]] = None) -> defer.Deferred[list[bytes]]:
+        """The reply of *service* to *frames*, from whichever broker's workers serve it; a
+        streamed reply's PARTIALs go to *onPartial*, and a stream that fails part-way is not
+        tried on another broker (its parts would come twice)."""
         name = api_service_name(service)
         mmi = name.startswith(b"mmi.")
         body = request_frames(frames, empty=mmi)  # (a caller's mistake raises here)
@@ -106,11 +109,17 @@ class SpreadClient:
             body = stamp(self._clientId, next(self._sequence), body)
         attempts = self.retries if retries is None else retries
         _check_attempts(self.timeout if timeout is None else timeout, attempts)
-        return defer.ensureDeferred(self._request(name, body, timeout, attempts))
+        return defer.ensureDeferred(self._request(name, body, timeout, attempts, onPartial))
 
     async def _request(self, service: bytes, body: list[bytes], timeout: Optional[float],
-                       attempts: int) -> list[bytes]:
+                       attempts: int, onPartial: Optional[Callable[[list[bytes]], Any]]) -> list[bytes]:
         failure: Optional[Exception] = None
+        parts: list[None] = []  # (one for each PARTIAL heard)
+
+        def partial(frames: list[bytes]) -> Any:
+            parts.append(None)
+            return onPartial(frames)  # type: ignore[misc]
+
         startedAt = self.reactor.seconds()
         tried: dict[str, str] = {}  # each broker tried, and why it failed unless it timed out
         for _ in range(attempts):
@@ -123,8 +132,12 @@ class SpreadClient:
             self.outstanding[endpoint] += 1
             self.sent[endpoint] += 1
             try:
-                reply = await self.clients[endpoint].request(service, *body, timeout=timeout, retries=1)
+                reply = await self.clients[endpoint].request(
+                    service, *body, timeout=timeout, retries=1,
+                    onPartial=None if onPartial is None else partial)
             except RETRY_ELSEWHERE as e:
+                if parts:
+                    raise
                 failure = e
                 tried[endpoint] = _why(e, endpoint)
                 key = endpoint if isinstance(e, BROKER_FAILED) else (endpoint, service)
