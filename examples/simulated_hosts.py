@@ -126,18 +126,23 @@ class Run:
         self.byName[name] = proc
         return proc
 
-    def waitFor(self, name: str, marker: str, count: int = 1, timeout: float = 20.0) -> None:
+    def waitFor(self, names: str | list[str], marker: str, count: int = 1,
+                timeout: float = 20.0) -> None:
+        """Until *marker* is *count* times in the logs of *names* (one process or several)."""
+        names = [names] if isinstance(names, str) else names
         deadline = time.monotonic() + timeout
-        path = os.path.join(self.scratch, f"{name}.log")
-        proc = self.byName.get(name)
         while time.monotonic() < deadline:
-            with open(path, "rb") as log:
-                if log.read().count(marker.encode()) >= count:
-                    return
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}) before {marker!r}")
+            found = 0
+            for name in names:
+                with open(os.path.join(self.scratch, f"{name}.log"), "rb") as log:
+                    found += log.read().count(marker.encode())
+                proc = self.byName.get(name)
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}) before {marker!r}")
+            if found >= count:
+                return
             time.sleep(0.05)
-        raise RuntimeError(f"{name}: no {marker!r} within {timeout} s")
+        raise RuntimeError(f"{' and '.join(names)}: {marker!r} not {count} times within {timeout} s")
 
     def stop(self) -> None:
         for proc in self.procs:  # (PostgreSQL's SIGTERM waits for its clients: SIGINT does not)
@@ -206,8 +211,10 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             run.start(n, f"titanic{n}", *twist, "mdp-titanic", "--broker", brokers[n - 1], "--db", url,
                       "--stamp", "--lease", "3", "--concurrency", "4", "--timeout", "2",
                       "--backoff-max", "1", *heartbeat)
+        # (each worker session registered: one that found its broker slow to answer on a busy
+        # machine registers with the other, so the two brokers' READY lines are counted together)
+        run.waitFor(["broker1", "broker2"], "ready for work", 8)
         for n in (1, 2):
-            run.waitFor(f"broker{n}", "ready for work", 4)
             run.waitFor(f"titanic{n}", "Titanic started")
         brokerPids = [run.byName[f"broker{n}"].pid for n in (1, 2)]
         cpuBefore = sum(map(cpu_seconds, brokerPids))
