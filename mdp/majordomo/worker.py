@@ -303,10 +303,8 @@ class WorkerMachine(Machine):
     def _returnHome(self) -> None:
         self.homeTries, self.homeAt = self.homeTries + 1, None
         self._send(codec.DISCONNECT)
-        self.state = BACKING_OFF
-        self.generation += 1
-        self._outbox.append(ClosePipe())
-        left, self._rotation.index = self.endpoint, 0
+        left = self._leave()
+        self._rotation.index = 0
         self._outbox.append(ReturnHome(self.endpoint, left))
 
     def handleBlocked(self, now: float) -> list[Action]:
@@ -329,13 +327,17 @@ class WorkerMachine(Machine):
         self._outbox.append(OpenPipe(self.endpoint))
 
     def _reconnect(self, delay: float, silent: Optional[float] = None) -> None:
+        left = self._leave()
+        self._rotation.advance()
+        self._outbox.append(ReopenAfter(delay, left, silent))
+
+    def _leave(self) -> str:
+        """Close the pipe, backing off until it is opened again; the endpoint left."""
         self.state = BACKING_OFF
         self.current = None
         self.generation += 1
         self._outbox.append(ClosePipe())
-        left = self.endpoint
-        self._rotation.advance()
-        self._outbox.append(ReopenAfter(delay, left, silent))
+        return self.endpoint
 
     def _command(self, kind: type, client: bytes, body: list[bytes]) -> None:
         self.liveness.heard(self.now)
@@ -410,7 +412,7 @@ class WorkerMachine(Machine):
         self.liveness.sent(self.now)
         if final:
             self.current = None
-            if self.homeAt is not None and self.now >= self.homeAt:  # (busy at the ticks)
+            if self._homeDue(self.now):  # (busy at the ticks)
                 self._returnHome()
         return tooLarge is None
 
