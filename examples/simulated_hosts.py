@@ -1,18 +1,19 @@
-"""Three hosts, simulated: network namespaces joined by a bridge (with ``tc netem`` latency
-where the kernel has it), two brokers side by side, a worker and a Titanic on each of the
-first two hosts, PostgreSQL (Titanic's shared store) on the second, and clients on the third.
-In the middle of a steady load the first host is cut off (its link to the bridge goes down).
+"""Three hosts, simulated: network namespaces joined by a bridge with ``tc netem`` latency
+(on a kernel without netem, by a switch process that delays each frame), two brokers side
+by side, a worker and a Titanic on each of the first two hosts, PostgreSQL (Titanic's
+shared store) on the second, and clients on the third. In the middle of a steady load the
+first host is cut off (unplugged from the switch).
 
     sudo .venv/bin/python examples/simulated_hosts.py [--requests 3000] [--titanic 300]
                                                       [--latency-ms 2] [--heartbeat 0.5]
                                                       [--logs DIR]
 
-It prints a JSON report: every request answered (those given up, with why), every Titanic
-request acknowledged answered, how many ran twice (the workers share one reply store, as a
-network share would be, and requests are stamped, Titanic submits by their client: one
-whose acknowledgement is lost with the cut host, stored again under a new id, runs once),
-the longest wait between two replies, and the brokers' CPU per 1,000 requests run
-(Titanic's own requests to the brokers included).
+It prints a JSON report: the latency and the round trip measured between hosts, every
+request answered (those given up, with why), every Titanic request acknowledged answered,
+how many ran twice (the workers share one reply store, as a network share would be, and
+requests are stamped, Titanic submits by their client: one whose acknowledgement is lost
+with the cut host, stored again under a new id, runs once), the longest wait between two
+replies, and the brokers' CPU per 1,000 requests run (Titanic's own requests included).
 Needs root (``ip netns``), Debian's ``postgresql`` and the ``postgres`` extra."""
 
 from __future__ import annotations
@@ -69,17 +70,21 @@ class Hosts:
         self.tag = tag
         self.names = [f"{tag}-h{n}" for n in (1, 2, 3)]
         self.switch = f"{tag}-sw"
-        self.latency: Optional[str] = None
+        self.latency = "none"
+        self.switchProcess: Optional[subprocess.Popen[str]] = None
 
     def build(self, latencyMs: float) -> None:
-        tag = self.tag
-        for ns in [self.switch, *self.names]:
+        for ns in self.names:
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if latencyMs and not self._hasNetem():
+            self._switchInUserSpace(latencyMs)
+            return
+        sh("ip", "netns", "add", self.switch)
         sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.switch, "link", "set", "br0", "up")
         for n, ns in enumerate(self.names, 1):
-            host, port = f"{tag}h{n}", f"{tag}s{n}"
+            host, port = f"{self.tag}h{n}", f"{self.tag}s{n}"
             sh("ip", "link", "add", host, "type", "veth", "peer", "name", port)
             sh("ip", "link", "set", host, "netns", ns)
             sh("ip", "link", "set", port, "netns", self.switch)
@@ -87,20 +92,110 @@ class Hosts:
             sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{n}/24", "dev", host)
             sh("ip", "-n", ns, "link", "set", host, "up")
             if latencyMs:
-                added = sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", host, "root",
-                           "netem", "delay", f"{latencyMs}ms", check=False)
-                self.latency = (f"{latencyMs} ms each way" if added.returncode == 0 else
-                                f"none: {added.stderr.strip() or 'tc netem failed'}")
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", host, "root",
+                   "netem", "delay", f"{latencyMs}ms")
+                self.latency = f"{latencyMs} ms each way (tc netem)"
+
+    def _hasNetem(self) -> bool:
+        """Whether this kernel has ``tc netem`` (tried on a host's loopback, then taken off)."""
+        ns = self.names[0]
+        added = sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                   "delay", "1ms", check=False)
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
+        return added.returncode == 0
+
+    def _switchInUserSpace(self, latencyMs: float) -> None:
+        """Without netem: one TAP per host, all held by a switch process that delays each frame."""
+        self.switchProcess = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "switch", self.tag, str(latencyMs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        said = self.switchProcess.stdout.readline() if self.switchProcess.stdout else ""
+        if said.strip() != "switching":
+            raise RuntimeError(f"the delaying switch did not start: {said.strip()!r}")
+        self.latency = f"{latencyMs} ms each way (a switch that delays each frame: no tc netem here)"
+
+    def roundTrip(self, host: int, address: str, port: int) -> float:
+        """From host *host*, the median time in ms of five TCP connects to *address*:*port*."""
+        timed = ("import socket, statistics, time\n"
+                 "def once():\n"
+                 "    started = time.perf_counter()\n"
+                 f"    socket.create_connection(({address!r}, {port}), 5).close()\n"
+                 "    return time.perf_counter() - started\n"
+                 "print(statistics.median(once() for _ in range(5)) * 1000)")
+        said = sh("ip", "netns", "exec", self.names[host - 1], sys.executable, "-c", timed)
+        return round(float(said.stdout), 2)
 
     def cut(self, n: int) -> None:
-        """Unplug host *n* from the bridge."""
-        sh("ip", "-n", self.switch, "link", "set", f"{self.tag}s{n}", "down")
+        """Unplug host *n* from the switch."""
+        if self.switchProcess is not None and self.switchProcess.stdin is not None:
+            self.switchProcess.stdin.write(f"cut {n}\n")
+            self.switchProcess.stdin.flush()
+        else:
+            sh("ip", "-n", self.switch, "link", "set", f"{self.tag}s{n}", "down")
 
     def remove(self) -> None:
+        if self.switchProcess is not None:
+            self.switchProcess.kill()  # (its TAPs go with it)
+            self.switchProcess.wait()
         for ns in [*self.names, self.switch]:  # (a veth goes with its namespace)
             sh("ip", "netns", "del", ns, check=False)
         for n in (1, 2, 3):  # one made but not yet moved into its namespace
             sh("ip", "link", "del", f"{self.tag}h{n}", check=False)
+
+
+def switch(tag: str, latencyMs: float) -> None:
+    """The switch behind :meth:`Hosts._switchInUserSpace`: makes TAP ``<tag>t<n>`` for host
+    *n*, moves it into the host's namespace, then forwards each frame *latencyMs* after it
+    came (a learning switch). ``cut N`` on standard input unplugs host N; end of input stops."""
+    import fcntl
+    import select
+    import struct
+    from collections import deque
+
+    ports: list[int] = []
+    for n in (1, 2, 3):
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+        tunsetiff, tapWithoutHeader = 0x400454CA, 0x1002
+        fcntl.ioctl(fd, tunsetiff, struct.pack("16sH", f"{tag}t{n}".encode(), tapWithoutHeader))
+        ports.append(fd)
+        ns = f"{tag}-h{n}"
+        sh("ip", "link", "set", f"{tag}t{n}", "netns", ns)
+        sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{n}/24", "dev", f"{tag}t{n}")
+        sh("ip", "-n", ns, "link", "set", f"{tag}t{n}", "up")
+    print("switching", flush=True)
+    delay = latencyMs / 1000
+    where: dict[bytes, int] = {}  # (a MAC address: the port it was last seen on)
+    cut: set[int] = set()
+    due: deque[tuple[float, int, bytes]] = deque()  # (when, the port it came in on, frame)
+    while True:
+        wait = max(0.0, due[0][0] - time.monotonic()) if due else None
+        readable, _, _ = select.select([0, *ports], [], [], wait)
+        for source in readable:
+            if source == 0:
+                said = os.read(0, 4096)
+                if not said:
+                    return
+                cut.update(int(line.split()[1]) - 1 for line in said.decode().splitlines())
+                continue
+            try:
+                while True:  # (all that is waiting on this port)
+                    frame = os.read(source, 65536)
+                    port = ports.index(source)
+                    if port not in cut:
+                        where[frame[6:12]] = port
+                        due.append((time.monotonic() + delay, port, frame))
+            except BlockingIOError:
+                pass
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, came, frame = due.popleft()
+            to = where.get(frame[:6])
+            for port in [to] if to is not None and not frame[0] & 1 else range(len(ports)):
+                if port != came and port not in cut:
+                    try:
+                        os.write(ports[port], frame)
+                    except OSError:
+                        pass  # (a host whose link is down; a full queue: a frame lost)
 
 
 class Run:
@@ -214,6 +309,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         # (each worker session registered: one that found its broker slow to answer on a busy
         # machine registers with the other, so the two brokers' READY lines are counted together)
         run.waitFor(["broker1", "broker2"], "ready for work", 8)
+        roundTrip = hosts.roundTrip(3, f"{SUBNET}.1", PORT)
         for n in (1, 2):
             run.waitFor(f"titanic{n}", "Titanic started")
         brokerPids = [run.byName[f"broker{n}"].pid for n in (1, 2)]
@@ -237,7 +333,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                 for key in f.read().splitlines():
                     runs[key] = runs.get(key, 0) + 1
         twice = sorted(key.decode() for key, count in runs.items() if count > 1)
-        report.update(latency=hosts.latency, heartbeatExpiry=args.heartbeat * 4, ran=sum(runs.values()),
+        report.update(latency=hosts.latency, roundTripMs=roundTrip,
+                      heartbeatExpiry=args.heartbeat * 4, ran=sum(runs.values()),
                       brokerCpuMsPer1k=round(brokerCpu / sum(runs.values()) * 1e6, 1),
                       ranTwice=sum(1 for key in twice if key.startswith("r-")),
                       titanicRanTwice=sum(1 for key in twice if key.startswith("t-")), twice=twice[:10])
@@ -323,6 +420,9 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["client"]:
         client(int(argv[1]), int(argv[2]), argv[3:])
+        return
+    if argv[:1] == ["switch"]:
+        switch(argv[1], float(argv[2]))
         return
     parser = argparse.ArgumentParser(prog="simulated_hosts.py")
     parser.add_argument("--requests", type=int, default=3000)

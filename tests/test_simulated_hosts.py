@@ -36,6 +36,7 @@ def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> Non
     sweep_stale()
     report = simulated_hosts.simulate(argparse.Namespace(
         requests=2000, titanic=100, latency_ms=2.0, heartbeat=0.5, logs=None))
+    assert report["roundTripMs"] >= 2 * 2.0 * 0.95, report  # (2 ms each way: netem or the switch)
     assert report["failed"] == [], report  # (a request or submit given up: which, why, when)
     assert report["answered"] == 2000 and report["wrong"] == 0, report
     assert report["titanicAnswered"] == report["titanicAcknowledged"] == 100, report
