@@ -194,6 +194,43 @@ async def test_mdp_status_shows_services_and_workers() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_mdp_status_of_several_brokers_shows_each_and_sums_them() -> None:
+    """Side by side: one echo worker at A, two at B, a third broker down: each
+    broker's tables, "no answer" for the third, the services summed over the two
+    that answered, and exit status 1."""
+    from mdp import Broker, Worker
+    from mdp.handlers import echo
+
+    brokers = [Broker(reactor()), Broker(reactor())]
+    bound = [await broker.listen("zmq:tcp://127.0.0.1:*") for broker in brokers]
+    down = f"zmq:tcp://127.0.0.1:{await _free_port()}"
+    workers = [Worker(bound[n].endpoint, "echo", echo, reactor()) for n in (0, 1, 1)]
+    for worker in workers:
+        worker.start()
+    try:
+        await wait_until(lambda: [len(b.snapshot().services) and b.snapshot().services[0].idle
+                                  for b in brokers] == [1, 2], 30)
+        proc = Process(reactor(), [script("mdp"), "status", "--broker", bound[0].endpoint,
+                                   "--broker", bound[1].endpoint, "--broker", down,
+                                   "--timeout", "0.5", "--retries", "1"], env=ENV)
+        await proc.ended(30)
+        assert proc.exitCode == 1, proc.output
+        lines = proc.output.decode().splitlines()
+        assert f"broker {bound[0].endpoint}" in lines and f"broker {bound[1].endpoint}" in lines
+        assert f"broker {down}: no answer" in lines
+        total = lines.index("the 2 of 3 brokers that answered")
+        rows = [line.split() for line in lines]
+        assert rows[:total].count(["echo", "1", "1", "0", "0"]) == 1
+        assert rows[:total].count(["echo", "2", "2", "0", "0"]) == 1
+        assert ["echo", "3", "3", "0", "0"] in rows[total:]
+    finally:
+        for worker in workers:
+            await worker.stop()
+        for broker in brokers:
+            await broker.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_mdp_status_watch_refreshes_until_ctrl_c() -> None:
     from mdp import Broker
 

@@ -435,8 +435,7 @@ async def titanic_run_it(sh: Shell, c: Any) -> None:
            "--attach all --concurrency 4 --service echo --handler echo",
     call="mdp call --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556 "
          "--side-by-side echo hello",
-    status="mdp status --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556 "
-           "--side-by-side")
+    status="mdp status --broker zmq:tcp://127.0.0.1:5555 --broker zmq:tcp://127.0.0.1:5556")
 async def deployment_side_by_side(sh: Shell, c: Any) -> None:
     """docs/deployment.md: a worker attached to two brokers, a call and the summed status."""
     sh.port(5555)

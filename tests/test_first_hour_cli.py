@@ -465,6 +465,19 @@ async def test_mdp_status_of_a_passive_binary_star_broker_says_to_ask_the_other(
             await primary.stop()
         assert primary.exitCode == 0, primary.output
         assert primary.output.startswith(f"broker {pair.endpoints['primary']}\n".encode())
+        # both: the active broker's tables, the passive one's state, and the sum
+        both = Process(reactor(), [script("mdp"), "status", "--broker", pair.endpoints["primary"],
+                                   "--broker", backup], env=ENV)
+        try:
+            await both.ended(30)
+        finally:
+            await both.stop()
+        assert both.exitCode == 0, both.output
+        lines = both.output.decode().splitlines()
+        assert lines[0] == f"broker {pair.endpoints['primary']}", lines
+        assert lines[lines.index("all 2 brokers") - 2] == (
+            f"broker {backup} is the passive broker of a Binary Star pair: it answers no "
+            "requests while its peer (active) serves them; ask the other broker of the pair"), lines
     finally:
         await pair.stop()
 

@@ -138,11 +138,11 @@ DEFAULT_WATCH = 2.0
 class StatusOptions(_ClientOptions):
     synopsis = f"{_BROKERS} [--watch [SECONDS]]"
     longdesc = ("The broker's services (workers idle and busy, requests queued) and workers (service, "
-                "state, seconds since last heard from), from mmi.services and mmi.workers.")
+                "state, seconds since last heard from), from mmi.services and mmi.workers.  Given "
+                "several brokers (side by side, or a Binary Star pair), each broker's tables, then "
+                "the services of all of them summed.")
     optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
                                  "2 with --watch alone]", tap.seconds_option("watch")]]
-    optFlags = [["side-by-side", None, "The brokers run side by side (not a failover list): each "
-                 "broker's tables, then the services of all of them summed."]]
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -434,7 +434,7 @@ def _report_once(lines: Optional[list[str]]) -> None:
         raise SystemExit(1)
 
 
-#: what a side-by-side report says of a broker that did not answer (exit status 1 once out)
+#: what a report of several brokers says of one that did not answer (exit status 1 once out)
 NO_ANSWER = "no answer"
 
 
@@ -443,29 +443,27 @@ def _unanswered(line: str) -> bool:
 
 
 def _status_clients(reactor: Any, options: Any) -> list[Client]:
-    """A client of the brokers (a failover list), or side by side one of each; MMI only, so
-    without the extensions."""
-    brokers = [[b] for b in options["brokers"]] if options["side-by-side"] else [options["brokers"]]
-    return [Client(endpoints, reactor, timeout=options["timeout"], retries=options["retries"],
-                   extensions=False, **tap.curve_client_of(options)) for endpoints in brokers]
+    """A client of each broker; MMI only, so without the extensions."""
+    return [Client([endpoint], reactor, timeout=options["timeout"], retries=options["retries"],
+                   extensions=False, **tap.curve_client_of(options)) for endpoint in options["brokers"]]
 
 
 async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
-    """One client's report; side by side, each broker's and then the services of those that
+    """The broker's report; of several, each broker's and then the services of those that
     answered summed (None if none did: stderr says why)."""
-    if not options["side-by-side"]:
+    if len(clients) == 1:
         report = await _report(clients[0], options)
         return None if report is None else report[0]
     lines: list[str] = []
     listings: list[dict[str, Any]] = []
-    for client in clients:
-        report = await _report(client, options, alone=False)
+    for client, report in zip(clients, await defer.gatherResults(
+            [defer.ensureDeferred(_report(client, options)) for client in clients])):
         if report is None:  # (stderr said why)
             lines += [f"broker {client.endpoint}: {NO_ANSWER}", ""]
             continue
         shown, services = report
         lines += [*shown, ""]
-        listings.append(json.loads(services[0]))
+        listings.append(json.loads(services[0]) if services else {})
     if not listings:
         return None
     heard = f"all {len(clients)} brokers" if len(listings) == len(clients) else \
@@ -485,23 +483,23 @@ def _summed(listings: list[dict[str, Any]]) -> list[str]:
         else ["no services"]
 
 
-async def _report(client: Any, options: Any, alone: bool = True
-                  ) -> Optional[tuple[list[str], list[bytes]]]:
-    """The lines of one broker's (or failover list's) report, with its ``mmi.services`` reply;
-    None once stderr says why there are none."""
+async def _report(client: Any, options: Any) -> Optional[tuple[list[str], Optional[list[bytes]]]]:
+    """The lines of one broker's report, with its ``mmi.services`` reply (None from a Binary Star
+    broker that serves nothing, one of several); None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
-    if idle is not None and (len(options["brokers"]) == 1 or not alone):  # no tables would come
+    if idle is not None:  # no tables would come
+        if len(options["brokers"]) > 1:
+            return [idle], None
         error(f"mdp status: {idle}")
         return None
     try:
         services = await client.request("mmi.services")
         workers = await client.request("mmi.workers")
-    except (RequestTimeout, errors.BrokerUnreachable) as e:  # they name the brokers
-        error(f"mdp status: {e}" + (f"; {idle}" if idle is not None else ""))
+    except (RequestTimeout, errors.BrokerUnreachable) as e:  # they name the broker
+        error(f"mdp status: {e}")
         return None
     except MDPError as e:
-        brokers = client.endpoints
-        error(f"mdp status: broker{'s' * (len(brokers) > 1)} {', '.join(brokers)}: {e}")
+        error(f"mdp status: broker {client.endpoint}: {e}")
         return None
     try:
         tables = status_lines(services, workers)
