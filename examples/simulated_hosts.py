@@ -5,15 +5,16 @@ shared store) on the second, and clients on the third. In the middle of a steady
 first host is cut off (unplugged from the switch).
 
     sudo .venv/bin/python examples/simulated_hosts.py [--requests 3000] [--titanic 300]
-                                                      [--latency-ms 2] [--heartbeat 0.5]
-                                                      [--logs DIR]
+                                                      [--lanes 16] [--latency-ms 2]
+                                                      [--heartbeat 0.5] [--logs DIR]
 
 It prints a JSON report: the latency and the round trip measured between hosts, every
 request answered (those given up, with why), every Titanic request acknowledged answered,
 how many ran twice (the workers share one reply store, as a network share would be, and
 requests are stamped, Titanic submits by their client: one whose acknowledgement is lost
 with the cut host, stored again under a new id, runs once), the longest wait between two
-replies, and the brokers' CPU per 1,000 requests run (Titanic's own requests included).
+replies, the requests the brokers carried (Titanic's own and its clients' polls included),
+each role's CPU per 1,000 of them, and what it spends with no load (in 2 s before it).
 Needs root (``ip netns``), Debian's ``postgresql`` and the ``postgres`` extra."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
 SUBNET = "10.77.0"
 PORT = 5555
+METRICS_PORT = 9100
+IDLE_SECONDS = 2.0
 
 
 def counted(frames: list[bytes]) -> Any:
@@ -124,6 +127,15 @@ class Hosts:
                  "print(statistics.median(once() for _ in range(5)) * 1000)")
         said = sh("ip", "netns", "exec", self.names[host - 1], sys.executable, "-c", timed)
         return round(float(said.stdout), 2)
+
+    def requestsCarried(self, n: int) -> int:
+        """The requests the broker on host *n* has received (``mdp_broker_requests_total``)."""
+        scrape = ("import urllib.request\n"
+                  f"print(urllib.request.urlopen('http://{SUBNET}.{n}:{METRICS_PORT}/metrics', "
+                  "timeout=5).read().decode())")
+        said = sh("ip", "netns", "exec", self.names[n - 1], sys.executable, "-c", scrape)
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in said.stdout.splitlines()
+                       if line.startswith("mdp_broker_requests_total{")))
 
     def cut(self, n: int) -> None:
         """Unplug host *n* from the switch."""
@@ -296,7 +308,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         url = postgres(run, 2)
         for n in (1, 2):
             run.start(n, f"broker{n}", *twist, "mdp-broker", "--endpoint",
-                      f"tcp:{PORT}:interface={SUBNET}.{n}", *heartbeat)
+                      f"tcp:{PORT}:interface={SUBNET}.{n}", "--metrics",
+                      f"tcp:{METRICS_PORT}:interface={SUBNET}.{n}", *heartbeat)
         for n in (1, 2):
             run.waitFor(f"broker{n}", "MDP broker listening on")
             run.start(n, f"worker{n}", *twist, "mdp-worker", *(o for b in brokers for o in ("--broker", b)),
@@ -312,14 +325,22 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         roundTrip = hosts.roundTrip(3, f"{SUBNET}.1", PORT)
         for n in (1, 2):
             run.waitFor(f"titanic{n}", "Titanic started")
-        brokerPids = [run.byName[f"broker{n}"].pid for n in (1, 2)]
-        cpuBefore = sum(map(cpu_seconds, brokerPids))
+        roles = {role: [run.byName[f"{role}{n}"].pid for n in (1, 2)]
+                 for role in ("broker", "worker", "titanic")}
+        idleFrom = {role: sum(map(cpu_seconds, pids)) for role, pids in roles.items()}
+        time.sleep(IDLE_SECONDS)  # (what each role costs with no load: heartbeats, polling)
+        cpuBefore = {role: sum(map(cpu_seconds, pids)) for role, pids in roles.items()}
+        idle = {role: (cpuBefore[role] - idleFrom[role]) / IDLE_SECONDS for role in roles}
+        carriedBefore = sum(hosts.requestsCarried(n) for n in (1, 2))
+        loadStarted = time.monotonic()
         client = run.start(3, "client", sys.executable, os.path.abspath(__file__), "client",
-                           str(args.requests), str(args.titanic), *brokers)
+                           str(args.requests), str(args.titanic), str(args.lanes), *brokers)
         run.waitFor("client", "half answered", timeout=30)
         hosts.cut(1)
         client.wait(40)
-        brokerCpu = sum(map(cpu_seconds, brokerPids)) - cpuBefore
+        cpu = {role: sum(map(cpu_seconds, pids)) - cpuBefore[role] for role, pids in roles.items()}
+        carried = sum(hosts.requestsCarried(n) for n in (1, 2)) - carriedBefore
+        loadSeconds = time.monotonic() - loadStarted
         with open(os.path.join(scratch, "client.log")) as log:
             said = log.read()
         try:
@@ -335,7 +356,13 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         twice = sorted(key.decode() for key, count in runs.items() if count > 1)
         report.update(latency=hosts.latency, roundTripMs=roundTrip,
                       heartbeatExpiry=args.heartbeat * 4, ran=sum(runs.values()),
-                      brokerCpuMsPer1k=round(brokerCpu / sum(runs.values()) * 1e6, 1),
+                      carried=carried, carriedPerSecond=round(carried / loadSeconds),
+                      idleCores={role: round(cores, 4) for role, cores in idle.items()},
+                      cpuMsPer1k={role: round(seconds / carried * 1e6, 1)
+                                  for role, seconds in [*cpu.items(), ("client", report.pop("cpu"))]},
+                      cpuMsPer1kBeyondIdle={
+                          role: round((seconds - idle[role] * loadSeconds) / carried * 1e6, 1)
+                          for role, seconds in cpu.items()},
                       ranTwice=sum(1 for key in twice if key.startswith("r-")),
                       titanicRanTwice=sum(1 for key in twice if key.startswith("t-")), twice=twice[:10])
         return report
@@ -353,8 +380,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                 shutil.rmtree(scratch, ignore_errors=True)
 
 
-def client(requests: int, titanic: int, brokers: list[str]) -> None:
-    """On host 3: *requests* stamped requests, 16 out at a time, spread over the brokers, and
+def client(requests: int, titanic: int, lanes: int, brokers: list[str]) -> None:
+    """On host 3: *requests* stamped requests, *lanes* out at a time, spread over the brokers, and
     *titanic* Titanic requests; prints ``half answered`` midway and a JSON report at the end."""
     from twisted.internet import defer, task
 
@@ -365,6 +392,7 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
         spread = SpreadClient(brokers, reactor, timeout=0.5, retries=30)
         titan = TitanicClient(brokers, reactor, timeout=1.0, retries=15, pollInterval=0.2,
                               stamp=True)
+        cpuStarted = time.process_time()
         answered: list[float] = []
         acked: list[tuple[str, bytes]] = []
         wrong: list[Any] = []
@@ -395,7 +423,7 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
                     failed.append(f"{body.decode()}: {e!r} at {time.time() - started:.2f} s")
                 await task.deferLater(reactor, 0.03, lambda: None)  # (through the cut)
 
-        await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(16)] +
+        await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(lanes)] +
                                   [defer.ensureDeferred(submit())])
         results = await defer.DeferredList(
             [titan.result(requestId).addTimeout(20, reactor) for requestId, _ in acked],
@@ -409,7 +437,7 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
                           "titanicAcknowledged": len(acked),
                           "titanicAnswered": sum(1 for ok, _ in results if ok),
                           "titanicWrong": len(wrongTitanic), "longestGap": max(gaps or [0.0]),
-                          "failed": failed[:10],
+                          "failed": failed[:10], "cpu": time.process_time() - cpuStarted,
                           "sent": dict(spread.sent)}), flush=True)
         await spread.close()
         await titan.client.close()
@@ -419,7 +447,7 @@ def client(requests: int, titanic: int, brokers: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["client"]:
-        client(int(argv[1]), int(argv[2]), argv[3:])
+        client(int(argv[1]), int(argv[2]), int(argv[3]), argv[4:])
         return
     if argv[:1] == ["switch"]:
         switch(argv[1], float(argv[2]))
@@ -427,6 +455,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="simulated_hosts.py")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--titanic", type=int, default=300)
+    parser.add_argument("--lanes", type=int, default=16, help="requests out at a time")
     parser.add_argument("--latency-ms", type=float, default=2.0)
     parser.add_argument("--heartbeat", type=float, default=0.5)
     parser.add_argument("--logs", metavar="DIR", help="copy each process's log to DIR")

@@ -35,7 +35,7 @@ def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> Non
     need_bindir()
     sweep_stale()
     report = simulated_hosts.simulate(argparse.Namespace(
-        requests=2000, titanic=100, latency_ms=2.0, heartbeat=0.5, logs=None))
+        requests=2000, titanic=100, lanes=16, latency_ms=2.0, heartbeat=0.5, logs=None))
     assert report["roundTripMs"] >= 2 * 2.0 * 0.95, report  # (2 ms each way: netem or the switch)
     assert report["failed"] == [], report  # (a request or submit given up: which, why, when)
     assert report["answered"] == 2000 and report["wrong"] == 0, report
@@ -44,5 +44,8 @@ def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> Non
     # with the stamp its client gave it: it runs once
     assert report["titanicWrong"] == report["ranTwice"] == report["titanicRanTwice"] == 0, report
     assert report["longestGap"] < report["heartbeatExpiry"], report  # the load moved in time
+    # the brokers' own count: every request and submit, Titanic's dispatches and the result polls
+    assert report["carried"] >= 2000 + 3 * 100, report
+    assert set(report["cpuMsPer1k"]) == {"broker", "worker", "titanic", "client"}, report
     cut, kept = report["sent"].values()
     assert cut > 200 and kept > 1000, report  # both served before the cut, the second after
