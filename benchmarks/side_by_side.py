@@ -1,15 +1,20 @@
 """Brokers side by side: what a broker costs per request when two share the load, against one
 broker carrying it all, on this machine (docs/deployment.md, "Capacity").
 
-    python -m benchmarks.side_by_side [--rounds 5] [--n 20000] [--window 64] [--json FILE]
+    python -m benchmarks.side_by_side [--rounds 5] [--n 20000] [--window 64] [--gap 0]
+                                      [--json FILE]
 
 Each round runs three layouts, in turn (which goes first rotates): 4 echo workers
 (``twist mdp-worker``, with ``--attach all`` for two brokers), one pipelined client process
 (:class:`mdp.SpreadClient`, *window* requests out) and one or two ``twist mdp-broker`` over
 TCP on 127.0.0.1: one broker and workers of concurrency 4; two brokers and the same
 workers (each broker has half the sessions); two brokers and workers of concurrency 8 (each
-has as many as the one).  Brokers' CPU is read from /proc before and after the timed
-requests; ratios against one broker are per round, reported as medians with their range."""
+has as many as the one).  Brokers' and workers' CPU is read from /proc before and after the
+timed requests (the client's is its own); ratios against one broker are per round, reported
+as medians with their range.  With ``--gap S`` each of the client's *window* lanes waits S
+seconds after each reply: a light load (``--window 1 --gap 0.003``: about 250 requests/s),
+where each message wakes a sleeping process, against the pipelined load where many share a
+wake-up."""
 
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ def wait_for(log: str, marker: bytes, count: int, timeout: float = 60.0) -> None
 
 
 def run_layout(brokers: int, n: int, window: int, scratch: str,
-               concurrency: int = CONCURRENCY) -> dict[str, Any]:
+               concurrency: int = CONCURRENCY, gap: float = 0.0) -> dict[str, Any]:
     """One timed run: broker CPU (ms) per 1,000 requests and the rate."""
     ports = [free_port() for _ in range(brokers)]
     endpoints = [f"tcp:127.0.0.1:{port}" for port in ports]
@@ -69,19 +74,21 @@ def run_layout(brokers: int, n: int, window: int, scratch: str,
         for log in logs:
             wait_for(log, b"ready for echo", WORKERS * concurrency // brokers)
         client = subprocess.Popen([sys.executable, "-m", "benchmarks.side_by_side", "client",
-                                   str(n), str(window), *endpoints],
+                                   str(n), str(window), str(gap), *endpoints],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert client.stdout is not None and client.stdin is not None
         assert client.stdout.readline().strip() == b"warm"
-        before = [cpu_seconds(p.pid) for p in procs[:brokers]]
+        before = [cpu_seconds(p.pid) for p in procs]
         client.stdin.write(b"go\n")
         client.stdin.flush()
         result = json.loads(client.stdout.readline())
-        after = [cpu_seconds(p.pid) for p in procs[:brokers]]
+        after = [cpu_seconds(p.pid) for p in procs]
         client.wait(60)
-        broker_cpu = sum(after) - sum(before)
+        broker_cpu = sum(after[:brokers]) - sum(before[:brokers])
         return {"brokers": brokers, "broker_cpu_ms_per_1k": broker_cpu / n * 1e6,
-                "per_broker_cpu_ms_per_1k": [(a - b) / n * 1e6 for a, b in zip(after, before)],
+                "workers_cpu_ms_per_1k": (sum(after[brokers:]) - sum(before[brokers:])) / n * 1e6,
+                "client_cpu_ms_per_1k": result["cpu"] / n * 1e6,
+                "per_broker_cpu_ms_per_1k": [(a - b) / n * 1e6 for a, b in zip(after[:brokers], before)],
                 "rate": n / result["elapsed"], "sent": result["sent"]}
     finally:
         for proc in procs:
@@ -90,9 +97,9 @@ def run_layout(brokers: int, n: int, window: int, scratch: str,
             proc.wait(30)
 
 
-def client(n: int, window: int, endpoints: list[str]) -> None:
-    """The pipelined client: warms up, says ``warm``, waits for ``go``, then sends *n*
-    requests with *window* out and prints the elapsed seconds (JSON)."""
+def client(n: int, window: int, gap: float, endpoints: list[str]) -> None:
+    """The client: warms up, says ``warm``, waits for ``go``, then sends *n* requests with
+    *window* out (each lane waiting *gap* s after a reply) and prints the elapsed seconds (JSON)."""
     from twisted.internet import defer, task
 
     from mdp import SpreadClient
@@ -106,6 +113,8 @@ def client(n: int, window: int, endpoints: list[str]) -> None:
             async def lane() -> None:
                 for _ in left:
                     await spread.request("echo", b"x" * 16)
+                    if gap:
+                        await task.deferLater(reactor, gap)
 
             await defer.gatherResults([defer.ensureDeferred(lane()) for _ in range(window)])
 
@@ -113,9 +122,10 @@ def client(n: int, window: int, endpoints: list[str]) -> None:
         print("warm", flush=True)
         sys.stdin.readline()  # (blocking: nothing is out meanwhile)
         spread.sent.clear()
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         await send(n)
-        print(json.dumps({"elapsed": time.monotonic() - started, "sent": dict(spread.sent)}), flush=True)
+        print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu,
+                          "sent": dict(spread.sent)}), flush=True)
         await spread.close()
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
@@ -123,12 +133,14 @@ def client(n: int, window: int, endpoints: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["client"]:
-        client(int(argv[1]), int(argv[2]), argv[3:])
+        client(int(argv[1]), int(argv[2]), float(argv[3]), argv[4:])
         return
     parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--gap", type=float, default=0.0,
+                        help="seconds each lane waits after a reply (a light load)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     layouts = {"one": (1, CONCURRENCY), "two, the same workers": (2, CONCURRENCY),
@@ -139,7 +151,7 @@ def main(argv: list[str]) -> None:
             names = list(layouts)
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 brokers, concurrency = layouts[name]
-                row = run_layout(brokers, args.n, args.window, scratch, concurrency)
+                row = run_layout(brokers, args.n, args.window, scratch, concurrency, args.gap)
                 rows[name].append(row)
                 print(f"round {round_ + 1}/{args.rounds}, {name}: "
                       f"{row['broker_cpu_ms_per_1k']:.1f} ms broker CPU per 1k, {row['rate']:,.0f}/s",
@@ -153,8 +165,10 @@ def main(argv: list[str]) -> None:
 
     report = {two: against_one(two) for two in layouts if two != "one"}
     report |= {
-              "broker_cpu_ms_per_1k_median": {
-                  name: statistics.median(r["broker_cpu_ms_per_1k"] for r in rows[name]) for name in rows},
+              f"{role}_cpu_ms_per_1k_median": {
+                  name: statistics.median(r[f"{role}_cpu_ms_per_1k"] for r in rows[name]) for name in rows}
+              for role in ("broker", "workers", "client")}
+    report |= {
               "rate_median": {name: statistics.median(r["rate"] for r in rows[name]) for name in rows}}
     print(json.dumps(report, indent=2))
     if args.json:
