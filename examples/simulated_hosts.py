@@ -66,7 +66,8 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class Hosts:
-    """Namespaces ``<tag>-h1`` .. ``-h3`` on a bridge in ``<tag>-sw``; host *n* is SUBNET.n.
+    """Namespaces ``<tag>-h1`` .. ``-h3`` on a bridge in ``<tag>-sw`` (or, without netem, on a
+    delaying switch process); host *n* is SUBNET.n.
     :meth:`build` them; :meth:`remove` takes away whatever was built."""
 
     def __init__(self, tag: str) -> None:
@@ -134,12 +135,21 @@ class Hosts:
                   f"print(urllib.request.urlopen('http://{SUBNET}.{n}:{METRICS_PORT}/metrics', "
                   "timeout=5).read().decode())")
         said = sh("ip", "netns", "exec", self.names[n - 1], sys.executable, "-c", scrape)
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in said.stdout.splitlines()
-                       if line.startswith("mdp_broker_requests_total{")))
+        counts = [float(line.rsplit(" ", 1)[1]) for line in said.stdout.splitlines()
+                  if line.startswith("mdp_broker_requests_total")]
+        if not counts:
+            raise RuntimeError(f"broker {n}'s metrics have no mdp_broker_requests_total")
+        return int(sum(counts))
+
+    def checkSwitch(self) -> None:
+        """A RuntimeError if the delaying switch has exited (the hosts are apart)."""
+        if self.switchProcess is not None and self.switchProcess.poll() is not None:
+            raise RuntimeError(f"the delaying switch exited ({self.switchProcess.returncode})")
 
     def cut(self, n: int) -> None:
         """Unplug host *n* from the switch."""
         if self.switchProcess is not None and self.switchProcess.stdin is not None:
+            self.checkSwitch()
             self.switchProcess.stdin.write(f"cut {n}\n")
             self.switchProcess.stdin.flush()
         else:
@@ -148,7 +158,7 @@ class Hosts:
     def remove(self) -> None:
         if self.switchProcess is not None:
             self.switchProcess.kill()  # (its TAPs go with it)
-            self.switchProcess.wait()
+            self.switchProcess.communicate()  # (and closes the pipes)
         for ns in [*self.names, self.switch]:  # (a veth goes with its namespace)
             sh("ip", "netns", "del", ns, check=False)
         for n in (1, 2, 3):  # one made but not yet moved into its namespace
@@ -168,7 +178,7 @@ def switch(tag: str, latencyMs: float) -> None:
     for n in (1, 2, 3):
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
         tunsetiff, tapWithoutHeader = 0x400454CA, 0x1002
-        fcntl.ioctl(fd, tunsetiff, struct.pack("16sH", f"{tag}t{n}".encode(), tapWithoutHeader))
+        fcntl.ioctl(fd, tunsetiff, struct.pack("16sH22x", f"{tag}t{n}".encode(), tapWithoutHeader))
         ports.append(fd)
         ns = f"{tag}-h{n}"
         sh("ip", "link", "set", f"{tag}t{n}", "netns", ns)
@@ -187,7 +197,8 @@ def switch(tag: str, latencyMs: float) -> None:
                 said = os.read(0, 4096)
                 if not said:
                     return
-                cut.update(int(line.split()[1]) - 1 for line in said.decode().splitlines())
+                cut.update(int(words[1]) - 1 for words in map(str.split, said.decode().splitlines())
+                           if words[:1] == ["cut"] and words[1:2] in (["1"], ["2"], ["3"]))
                 continue
             try:
                 while True:  # (all that is waiting on this port)
@@ -296,7 +307,7 @@ def postgres(run: Run, host: int) -> str:
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    hosts = Hosts(f"mdp{os.getpid() % 100000}")
+    hosts = Hosts(f"mdp{os.getpid()}")  # (interface names of 15 characters at most)
     scratch = tempfile.mkdtemp(prefix="mdp-hosts-")
     os.chmod(scratch, 0o755)
     run = Run(hosts, scratch)
@@ -338,6 +349,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         run.waitFor("client", "half answered", timeout=30)
         hosts.cut(1)
         client.wait(40)
+        hosts.checkSwitch()
         cpu = {role: sum(map(cpu_seconds, pids)) - cpuBefore[role] for role, pids in roles.items()}
         carried = sum(hosts.requestsCarried(n) for n in (1, 2)) - carriedBefore
         loadSeconds = time.monotonic() - loadStarted

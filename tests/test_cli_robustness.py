@@ -339,3 +339,46 @@ async def test_mdp_status_and_call_show_odd_mmi_answers_safely() -> None:
     for proc in error, call:
         assert proc.exitCode == 1, proc.output
         assert proc.output.endswith(b"answered 503: \\x1b[2Jnope\n"), proc.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_of_several_brokers_reads_each_on_its_own() -> None:
+    """One good broker among two that answer MMI with what it cannot read (a list for
+    mmi.services, JSON nested too deep): each bad one is a line of its own, the good one's
+    tables and sum stay, no traceback, exit status 1."""
+    brokers = [await _mmi_broker(*answers) for answers in [
+        ([SERVICES], [WORKERS]), ([b"[]"], [WORKERS]),
+        ([b"[" * 100_000 + b"]" * 100_000], [WORKERS])]]
+    endpoints = [broker.transport.endpoint for broker in brokers]
+    try:
+        [proc] = await _all(_mdp("status", *(o for e in endpoints for o in ("--broker", e)),
+                                 "--retries", "1"))
+    finally:
+        for broker in brokers:
+            await broker.transport.close()
+    assert proc.exitCode == 1, proc.output
+    assert b"Traceback" not in proc.output, proc.output
+    lines = proc.output.decode().splitlines()
+    for endpoint in endpoints[1:]:
+        assert f"broker {endpoint}: does not describe its services" in lines, lines
+    total = lines.index("the 1 of 3 brokers that answered")
+    assert [line.split() for line in lines[total:] if line.startswith("echo")] == [
+        ["echo", "1", "1", "0", "0"]], lines
+
+
+@pytest_twisted.ensureDeferred
+async def test_mdp_status_gives_curve_keys_to_its_zmq_brokers_only(tmp_path: Any) -> None:
+    """CURVE keys with a zmq: and a tcp: broker: a client of each, keys for the zmq: one
+    (a failover list took them so; one client each must not refuse the tcp: one)."""
+    from mdp.transport.curve import keygen
+
+    public, secret = keygen("node", str(tmp_path))
+    options = cli.StatusOptions()
+    options.parseOptions(["--broker", "zmq:tcp://127.0.0.1:5555", "--broker", "tcp:127.0.0.1:5556",
+                          "--curve-server-public", public, "--curve-secret", secret])
+    clients = cli._status_clients(reactor(), options)
+    try:
+        assert [client.endpoint for client in clients] == options["brokers"]
+    finally:
+        for client in clients:
+            await client.close()

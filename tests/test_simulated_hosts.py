@@ -34,9 +34,12 @@ def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> Non
         pytest.skip("needs root and iproute2 (network namespaces)")
     need_bindir()
     sweep_stale()
+    latency = 2.0
     report = simulated_hosts.simulate(argparse.Namespace(
-        requests=2000, titanic=100, lanes=16, latency_ms=2.0, heartbeat=0.5, logs=None))
-    assert report["roundTripMs"] >= 2 * 2.0 * 0.95, report  # (2 ms each way: netem or the switch)
+        requests=2000, titanic=100, lanes=16, latency_ms=latency, heartbeat=0.5, logs=None))
+    # a TCP connect takes one round trip: the latency each way (netem or the switch), in ms
+    # (the bound above is loose: on a busy machine the switch is not always on a core)
+    assert 2 * latency * 0.95 <= report["roundTripMs"] < 50, report
     assert report["failed"] == [], report  # (a request or submit given up: which, why, when)
     assert report["answered"] == 2000 and report["wrong"] == 0, report
     assert report["titanicAnswered"] == report["titanicAcknowledged"] == 100, report
@@ -47,5 +50,6 @@ def test_a_host_cut_off_under_load_loses_nothing_and_runs_nothing_twice() -> Non
     # the brokers' own count: every request and submit, Titanic's dispatches and the result polls
     assert report["carried"] >= 2000 + 3 * 100, report
     assert set(report["cpuMsPer1k"]) == {"broker", "worker", "titanic", "client"}, report
+    assert all(ms > 0 for ms in report["cpuMsPer1k"].values()), report
     cut, kept = report["sent"].values()
     assert cut > 200 and kept > 1000, report  # both served before the cut, the second after

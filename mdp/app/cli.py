@@ -143,6 +143,8 @@ class StatusOptions(_ClientOptions):
                 "the services of all of them summed.")
     optParameters: list[Any] = [["watch", "w", None, "Refresh every SECONDS until Ctrl-C [default: once; "
                                  "2 with --watch alone]", tap.seconds_option("watch")]]
+    opt_broker = opt_b = tap.repeated("broker", "Broker endpoint; once per broker (or commas): each is "
+                                      "asked on its own [default: zmq:tcp://127.0.0.1:5555]")
 
     def parseOptions(self, options: Optional[Sequence[str]] = None) -> None:
         # usage.Options has no optional values: give --watch alone its default
@@ -408,15 +410,17 @@ def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
-    clients = _status_clients(reactor, options)
+    clients: list[Client] = []
     watch = options["watch"]
     try:
+        clients += _status_clients(reactor, options)
         while True:
-            lines = await _reports(clients, options)
+            report = await _reports(clients, options)
             if watch is None:
-                _report_once(lines)
+                _report_once(report)
                 return
-            if lines is not None:  # on a cleared screen, or after a blank line
+            if report is not None:  # on a cleared screen, or after a blank line
+                lines = report[0]
                 shown = [_CLEAR + lines[0], *lines[1:]] if sys.stdout.isatty() else [*lines, ""]
                 if not emit(*shown):
                     return
@@ -426,49 +430,58 @@ async def status(reactor: Any, options: Any) -> None:
             await client.close()
 
 
-def _report_once(lines: Optional[list[str]]) -> None:
-    """Print a report; exit status 1 if there is none, or a broker side by side did not answer."""
-    if lines is None:
+def _report_once(report: Optional[tuple[list[str], bool]]) -> None:
+    """Print a report; exit status 1 if there is none, or it is not whole (a broker of several
+    did not answer or was not understood, or none serves)."""
+    if report is None:
         raise SystemExit(1)
-    if emit(*lines) and any(map(_unanswered, lines)):
+    lines, whole = report
+    if emit(*lines) and not whole:
         raise SystemExit(1)
 
 
-#: what a report of several brokers says of one that did not answer (exit status 1 once out)
+#: what a report of several brokers says of one that did not answer
 NO_ANSWER = "no answer"
-
-
-def _unanswered(line: str) -> bool:
-    return line.startswith("broker ") and line.endswith(f": {NO_ANSWER}")
+#: ... and of one whose MMI answers it could not read (stderr shows them)
+UNREADABLE = "does not describe its services"
 
 
 def _status_clients(reactor: Any, options: Any) -> list[Client]:
-    """A client of each broker; MMI only, so without the extensions."""
+    """A client of each broker (CURVE keys for those on zmq:); MMI only, so without the
+    extensions."""
+    curve = tap.curve_client_of(options)
     return [Client([endpoint], reactor, timeout=options["timeout"], retries=options["retries"],
-                   extensions=False, **tap.curve_client_of(options)) for endpoint in options["brokers"]]
+                   extensions=False, **(curve if endpoint.startswith("zmq:") else {}))
+            for endpoint in options["brokers"]]
 
 
-async def _reports(clients: list[Any], options: Any) -> Optional[list[str]]:
+async def _reports(clients: list[Any], options: Any) -> Optional[tuple[list[str], bool]]:
     """The broker's report; of several, each broker's and then the services of those that
-    answered summed (None if none did: stderr says why)."""
+    serve, summed; and whether it is whole.  None if no broker answered (stderr says why)."""
     if len(clients) == 1:
         report = await _report(clients[0], options)
-        return None if report is None else report[0]
+        return None if report is None else (report[0], True)
     lines: list[str] = []
     listings: list[dict[str, Any]] = []
-    for client, report in zip(clients, await defer.gatherResults(
-            [defer.ensureDeferred(_report(client, options)) for client in clients])):
+    answered = 0
+    reports = await defer.gatherResults(
+        [defer.ensureDeferred(_report(client, options)) for client in clients], consumeErrors=True)
+    for client, report in zip(clients, reports):
         if report is None:  # (stderr said why)
             lines += [f"broker {client.endpoint}: {NO_ANSWER}", ""]
             continue
         shown, services = report
+        answered += shown != [f"broker {client.endpoint}: {UNREADABLE}"]
         lines += [*shown, ""]
-        listings.append(json.loads(services[0]) if services else {})
-    if not listings:
+        if services is not None:  # (None: a Binary Star broker that serves nothing)
+            listings.append(json.loads(services[0]))
+    if not answered:
         return None
-    heard = f"all {len(clients)} brokers" if len(listings) == len(clients) else \
-        f"the {len(listings)} of {len(clients)} brokers that answered"
-    return [*lines, heard, "", *_summed(listings)]
+    heard = f"all {len(clients)} brokers" if answered == len(clients) else \
+        f"the {answered} of {len(clients)} brokers that answered"
+    if not listings:
+        return [*lines, heard, "", "none of them serves requests"], False
+    return [*lines, heard, "", *_summed(listings)], answered == len(clients)
 
 
 def _summed(listings: list[dict[str, Any]]) -> list[str]:
@@ -503,9 +516,14 @@ async def _report(client: Any, options: Any) -> Optional[tuple[list[str], Option
         return None
     try:
         tables = status_lines(services, workers)
+        listing = json.loads(services[0])
+        if not isinstance(listing, dict):  # (an empty list reads as "no services")
+            raise ValueError(f"mmi.services answered {services[0][:EXCERPT]!r}, not an object")
     except ValueError as e:
-        error(f"mdp status: broker {client.endpoint} does not describe its services ({e})")
-        raise SystemExit(1) from None
+        error(f"mdp status: broker {client.endpoint} {UNREADABLE} ({e})")
+        if len(options["brokers"]) == 1:
+            raise SystemExit(1) from None
+        return [f"broker {client.endpoint}: {UNREADABLE}"], None
     return [f"broker {client.endpoint}", ""] + tables, services
 
 
