@@ -135,13 +135,14 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["client"]:
         client(int(argv[1]), int(argv[2]), float(argv[3]), argv[4:])
         return
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--n", type=int, default=20000)
-    parser.add_argument("--window", type=int, default=64)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the three layouts (5)")
+    parser.add_argument("--n", type=int, default=20000, help="timed requests per layout (20000)")
+    parser.add_argument("--window", type=int, default=64, help="requests out at a time (64)")
     parser.add_argument("--gap", type=float, default=0.0,
                         help="seconds each lane waits after a reply (a light load)")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="also write the rows and the report to this file")
     args = parser.parse_args(argv)
     layouts = {"one": (1, CONCURRENCY), "two, the same workers": (2, CONCURRENCY),
                "two, as many sessions at each": (2, 2 * CONCURRENCY)}

@@ -679,7 +679,7 @@ EXCLUDED: dict[str, str] = {
     '.venv/bin/python -m benchmarks --repeat 3 --only "sync 4x4" pipelined':
         "three rounds of benchmarks, about a minute",
     "tox -e bench": "the full benchmark suite in a tox environment",
-    "pip install -e '.[postgres]'":
+    "pip install -e '.[postgres]' --config-settings editable_mode=compat":
         "installs into the environment the tests run in (the test extra has psycopg too)",
     "twist mdp-titanic --broker tcp:broker-a:5555 --db 'postgresql://titanic:SECRET@db-host/titanic' "
     "--stamp": "needs a PostgreSQL server at db-host; tests/test_titanic_postgres.py runs two such "

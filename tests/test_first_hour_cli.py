@@ -507,3 +507,16 @@ def test_waiting_for_a_slow_titanic_says_each_reason_once(monkeypatch: pytest.Mo
     assert waiting.result == [b"done"]
     assert len(said) == 2, said
     assert "no answer yet from Titanic" in said[0] and "it is pending" in said[1]
+
+
+def test_titanic_on_postgresql_without_psycopg_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was a traceback from inside the service, after the options were taken."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mdp.titanic.pgstore", None)  # (importing it fails)
+    options = tap.TitanicOptions()
+    with pytest.raises(usage.UsageError) as raised:
+        options.parseOptions(["--db", "postgresql://titanic@db-host/titanic"])
+    assert str(raised.value).startswith("--db: a PostgreSQL store needs psycopg 3, the postgres "
+                                        "extra: pip install 'txmajordomo[postgres]'"), raised.value

@@ -122,7 +122,7 @@ _BROKERS = "[--broker ENDPOINT [--broker ENDPOINT...]] [--timeout S] [--retries 
 
 
 class CallOptions(_RequestOptions):
-    synopsis = f"{_BROKERS} [--dialect rfc|majortomo] SERVICE [FRAME...]"
+    synopsis = f"{_BROKERS} [--side-by-side] [--dialect rfc|majortomo] SERVICE [FRAME...]"
     longdesc = ("Send one request through a broker; print each reply frame on its own line.  "
                 "At least one FRAME, except for mmi.* queries.")
     optParameters: list[Any] = [["dialect", None, "rfc", "Wire dialect: rfc (RFC 18) or majortomo.",

@@ -24,6 +24,7 @@ from mdp.majordomo.idempotence import MemoryReplyStore, SQLiteReplyStore
 from mdp.majordomo.worker import check_attach
 from mdp.titanic import dispatcher as titanic_dispatcher
 from mdp.titanic import server as titanic_server
+from mdp.titanic import store as titanic_store
 from mdp.transport.curve import curve_server
 from mdp.transport.endpoints import raise_descriptor_limit
 from mdp.transport.registry import bare_address
@@ -506,7 +507,7 @@ class BrokerOptions(_HeartbeatOptions):
 
 class WorkerOptions(_HeartbeatOptions, BrokerListOptions):
     synopsis = ("--service NAME [--broker ENDPOINT [--broker ENDPOINT...]] [--handler echo|module:callable] "
-                "[--dialect rfc|majortomo] [--concurrency N] [options]")
+                "[--attach one|all] [--dialect rfc|majortomo] [--concurrency N] [options]")
     longdesc = ("Run an MDP/0.2 worker offering --service through the broker(s).  --handler "
                 "module:callable (imported at start; the current directory is searched too) takes the "
                 "request frames and returns the reply, or a Deferred, coroutine or generator: "
@@ -630,7 +631,7 @@ class SPDeviceOptions(_ServiceOptions):
 
 class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     synopsis = ("[--broker ENDPOINT [--broker ENDPOINT...]] [--db PATH|:memory:|postgresql://...] "
-                "[--concurrency N] "
+                "[--concurrency N] [--stamp] "
                 "[--timeout SECONDS] [--keep SECONDS] [options]")
     longdesc = ("Run Titanic: the titanic.request, titanic.reply and titanic.close services and the "
                 "dispatcher that sends stored requests to their services.")
@@ -667,6 +668,9 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, :memory: or a postgresql:// URL")
+        if self["db"].startswith(("postgresql://", "postgres://")):
+            with usage_errors("db"):
+                titanic_store.postgres_store_class()  # (psycopg is there: checked before any start)
 
     def newService(self, metrics: Any) -> Any:
         initial = titanic_dispatcher.DEFAULT_BACKOFF.initial

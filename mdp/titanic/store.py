@@ -726,18 +726,24 @@ class MemoryStore(SQLiteStore):
         return defer.succeed(None)
 
 
+def postgres_store_class() -> Any:
+    """:class:`~mdp.titanic.pgstore.PostgresStore`; a ValueError saying what to install if
+    psycopg 3 is missing."""
+    try:
+        from mdp.titanic.pgstore import PostgresStore
+    except ImportError as e:
+        raise ValueError(f"a PostgreSQL store needs psycopg 3, the postgres extra: pip install "
+                         f"'txmajordomo[postgres]' (from a checkout: '.[postgres]') ({e})") from None
+    return PostgresStore
+
+
 def open_store(db: str, reactor: Optional[Any] = None, *,
                maxBytes: int = DEFAULT_MAX_STORE_BYTES, lease: float = DEFAULT_LEASE) -> ITitanicStore:
     """The store for *db*: ``":memory:"`` is the memory store, a ``postgresql://`` URL a
     PostgreSQL database (whose claims last *lease* seconds), anything else a SQLite file
     path (made if missing); each holds at most *maxBytes*."""
     if db.startswith(("postgresql://", "postgres://")):
-        try:
-            from mdp.titanic.pgstore import PostgresStore
-        except ImportError as e:
-            raise ValueError(f"a PostgreSQL store needs psycopg 3: pip install 'txmajordomo[postgres]' "
-                             f"({e})") from None
-        return PostgresStore(db, reactor, maxBytes=maxBytes, lease=lease)
+        return postgres_store_class()(db, reactor, maxBytes=maxBytes, lease=lease)
     if db == ":memory:":
         return MemoryStore(maxBytes=maxBytes)
     if not db:
