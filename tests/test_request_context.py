@@ -712,7 +712,7 @@ async def test_processes_a_handler_hears_its_client_give_up_and_the_worker_serve
     import os
     import time
 
-    from mdp import Client, RequestTimeout
+    from mdp import Client, DeadlineExceeded, RequestTimeout
     from tests.procs import BROKER_HB, WORKER_HB, bounded, reactor, twist_broker, twist_worker, wait_until
 
     binds = {"tcp": "tcp:host=127.0.0.1:port=0", "zmq": "zmq:tcp://127.0.0.1:*"}
@@ -726,7 +726,9 @@ async def test_processes_a_handler_hears_its_client_give_up_and_the_worker_serve
         while client.machine.extended is None:
             await bounded(client.request("slow", b"quick"), 30)
         assert client.machine.extended
-        with pytest.raises(RequestTimeout):
+        # (the worker's own deadline ends the request at the same moment: on a busy machine
+        # its 504 may reach the client before the client's timer fires)
+        with pytest.raises((RequestTimeout, DeadlineExceeded)):
             await bounded(client.request("slow", str(heard).encode()), 30)
         gaveUp = time.time()
         await wait_until(lambda: os.path.exists(heard) and os.path.getsize(heard) > 0, 10)
