@@ -123,7 +123,8 @@ def test_parts_stay_in_order_while_a_callback_waits_on_the_loop() -> None:
 # --- sockets that cannot be had ---------------------------------------------------------
 
 OUT_OF_DESCRIPTORS = r"""
-import os, resource, threading, zmq
+import faulthandler, os, resource, sys, threading, zmq
+faulthandler.dump_traceback_later(40, exit=True)  # (a hang fails the test with every stack)
 from mdp.blocking import Client
 from mdp.errors import TransportError
 
@@ -169,9 +170,9 @@ def test_no_socket_to_be_had_fails_the_request_with_a_transport_error() -> None:
     once with TransportError (as the Twisted client's does), holds nothing,
     and the client works again once descriptors are free.  In a process of
     its own: it takes every descriptor."""
-    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-u", "-c", OUT_OF_DESCRIPTORS], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=55, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-6000:])
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("raised TransportError | cannot open a connection to zmq:tcp://")
     assert "Too many open files" in lines[0]
