@@ -4,12 +4,13 @@ broker carrying it all, on this machine (docs/deployment.md, "Capacity").
     python -m benchmarks.side_by_side [--rounds 5] [--n 20000] [--window 64] [--gap 0]
                                       [--json FILE]
 
-Each round runs three layouts, in turn (which goes first rotates): 4 echo workers
-(``twist mdp-worker``, with ``--attach all`` for two brokers), one pipelined client process
+Each round runs four layouts, in turn (which goes first rotates): 4 echo workers
+(``twist mdp-worker``, with ``--attach all`` for two brokers), a pipelined client process
 (:class:`mdp.SpreadClient`, *window* requests out) and one or two ``twist mdp-broker`` over
 TCP on 127.0.0.1: one broker and workers of concurrency 4; two brokers and the same
 workers (each broker has half the sessions); two brokers and workers of concurrency 8 (each
-has as many as the one).  Brokers' and workers' CPU is read from /proc before and after the
+has as many as the one); the same with two client processes (each broker also has as many
+requests out as the one).  Brokers' and workers' CPU is read from /proc before and after the
 timed requests (the client's is its own); ratios against one broker are per round, reported
 as medians with their range.  With ``--gap S`` each of the client's *window* lanes waits S
 seconds after each reply: a light load (``--window 1 --gap 0.003``: about 250 requests/s),
@@ -57,8 +58,9 @@ def wait_for(log: str, marker: bytes, count: int, timeout: float = 60.0) -> None
 
 
 def run_layout(brokers: int, n: int, window: int, scratch: str,
-               concurrency: int = CONCURRENCY, gap: float = 0.0) -> dict[str, Any]:
-    """One timed run: broker CPU (ms) per 1,000 requests and the rate."""
+               concurrency: int = CONCURRENCY, gap: float = 0.0, clients: int = 1) -> dict[str, Any]:
+    """One timed run (*clients* client processes, *n* requests each): each role's CPU (ms)
+    per 1,000 requests and the rate."""
     ports = [free_port() for _ in range(brokers)]
     endpoints = [f"tcp:127.0.0.1:{port}" for port in ports]
     procs: list[subprocess.Popen[bytes]] = []
@@ -73,23 +75,32 @@ def run_layout(brokers: int, n: int, window: int, scratch: str,
                                "--concurrency", str(concurrency), "--service", "echo"))
         for log in logs:
             wait_for(log, b"ready for echo", WORKERS * concurrency // brokers)
-        client = subprocess.Popen([sys.executable, "-m", "benchmarks.side_by_side", "client",
-                                   str(n), str(window), str(gap), *endpoints],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert client.stdout is not None and client.stdin is not None
-        assert client.stdout.readline().strip() == b"warm"
+        senders = [subprocess.Popen([sys.executable, "-m", "benchmarks.side_by_side", "client",
+                                     str(n), str(window), str(gap), *endpoints],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(clients)]
+        for sender in senders:
+            assert sender.stdout is not None and sender.stdin is not None
+            assert sender.stdout.readline().strip() == b"warm"
         before = [cpu_seconds(p.pid) for p in procs]
-        client.stdin.write(b"go\n")
-        client.stdin.flush()
-        result = json.loads(client.stdout.readline())
+        for sender in senders:
+            sender.stdin.write(b"go\n")  # type: ignore[union-attr]
+            sender.stdin.flush()  # type: ignore[union-attr]
+        results = [json.loads(sender.stdout.readline()) for sender in senders]  # type: ignore[union-attr]
         after = [cpu_seconds(p.pid) for p in procs]
-        client.wait(60)
+        for sender in senders:
+            sender.wait(60)
+        total = n * clients
+        sent: dict[str, int] = {}
+        for result in results:
+            for endpoint, count in result["sent"].items():
+                sent[endpoint] = sent.get(endpoint, 0) + count
         broker_cpu = sum(after[:brokers]) - sum(before[:brokers])
-        return {"brokers": brokers, "broker_cpu_ms_per_1k": broker_cpu / n * 1e6,
-                "workers_cpu_ms_per_1k": (sum(after[brokers:]) - sum(before[brokers:])) / n * 1e6,
-                "client_cpu_ms_per_1k": result["cpu"] / n * 1e6,
-                "per_broker_cpu_ms_per_1k": [(a - b) / n * 1e6 for a, b in zip(after[:brokers], before)],
-                "rate": n / result["elapsed"], "sent": result["sent"]}
+        return {"brokers": brokers, "clients": clients, "broker_cpu_ms_per_1k": broker_cpu / total * 1e6,
+                "workers_cpu_ms_per_1k": (sum(after[brokers:]) - sum(before[brokers:])) / total * 1e6,
+                "client_cpu_ms_per_1k": sum(r["cpu"] for r in results) / total * 1e6,
+                "per_broker_cpu_ms_per_1k": [(a - b) / total * 1e6
+                                             for a, b in zip(after[:brokers], before)],
+                "rate": total / max(r["elapsed"] for r in results), "sent": sent}
     finally:
         for proc in procs:
             proc.terminate()
@@ -144,15 +155,16 @@ def main(argv: list[str]) -> None:
                         help="seconds each lane waits after a reply (a light load)")
     parser.add_argument("--json", help="also write the rows and the report to this file")
     args = parser.parse_args(argv)
-    layouts = {"one": (1, CONCURRENCY), "two, the same workers": (2, CONCURRENCY),
-               "two, as many sessions at each": (2, 2 * CONCURRENCY)}
+    layouts = {"one": (1, CONCURRENCY, 1), "two, the same workers": (2, CONCURRENCY, 1),
+               "two, as many sessions at each": (2, 2 * CONCURRENCY, 1),
+               "two, as many sessions and requests out at each": (2, 2 * CONCURRENCY, 2)}
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             names = list(layouts)
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                brokers, concurrency = layouts[name]
-                row = run_layout(brokers, args.n, args.window, scratch, concurrency, args.gap)
+                brokers, concurrency, clients = layouts[name]
+                row = run_layout(brokers, args.n, args.window, scratch, concurrency, args.gap, clients)
                 rows[name].append(row)
                 print(f"round {round_ + 1}/{args.rounds}, {name}: "
                       f"{row['broker_cpu_ms_per_1k']:.1f} ms broker CPU per 1k, {row['rate']:,.0f}/s",
