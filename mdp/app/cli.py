@@ -410,10 +410,9 @@ def _worker_rows(listed: list[Any]) -> list[tuple[Any, ...]]:
 
 async def status(reactor: Any, options: Any) -> None:
     """Print the tables once, or every ``--watch`` seconds until Ctrl-C."""
-    clients: list[Client] = []
+    clients = _status_clients(reactor, options)
     watch = options["watch"]
     try:
-        clients += _status_clients(reactor, options)
         while True:
             report = await _reports(clients, options)
             if watch is None:
@@ -470,11 +469,11 @@ async def _reports(clients: list[Any], options: Any) -> Optional[tuple[list[str]
         if report is None:  # (stderr said why)
             lines += [f"broker {client.endpoint}: {NO_ANSWER}", ""]
             continue
-        shown, services = report
+        shown, listing = report
         answered += shown != [f"broker {client.endpoint}: {UNREADABLE}"]
         lines += [*shown, ""]
-        if services is not None:  # (None: a Binary Star broker that serves nothing)
-            listings.append(json.loads(services[0]))
+        if listing is not None:  # (None: a Binary Star broker that serves nothing)
+            listings.append(listing)
     if not answered:
         return None
     heard = f"all {len(clients)} brokers" if answered == len(clients) else \
@@ -496,8 +495,8 @@ def _summed(listings: list[dict[str, Any]]) -> list[str]:
         else ["no services"]
 
 
-async def _report(client: Any, options: Any) -> Optional[tuple[list[str], Optional[list[bytes]]]]:
-    """The lines of one broker's report, with its ``mmi.services`` reply (None from a Binary Star
+async def _report(client: Any, options: Any) -> Optional[tuple[list[str], Optional[dict[str, Any]]]]:
+    """The lines of one broker's report, with its ``mmi.services`` listing (None from a Binary Star
     broker that serves nothing, one of several); None once stderr says why there are none."""
     idle = await _not_serving(client, min(options["timeout"], BSTAR_PROBE))
     if idle is not None:  # no tables would come
@@ -524,7 +523,7 @@ async def _report(client: Any, options: Any) -> Optional[tuple[list[str], Option
         if len(options["brokers"]) == 1:
             raise SystemExit(1) from None
         return [f"broker {client.endpoint}: {UNREADABLE}"], None
-    return [f"broker {client.endpoint}", ""] + tables, services
+    return [f"broker {client.endpoint}", ""] + tables, listing
 
 
 async def _not_serving(client: Any, timeout: float) -> Optional[str]:

@@ -668,7 +668,7 @@ class TitanicOptions(_HeartbeatOptions, BrokerListOptions):
     def checkRole(self) -> Optional[dict[str, Optional[str]]]:
         if not self["db"]:
             raise usage.UsageError("--db: give a database file, :memory: or a postgresql:// URL")
-        if self["db"].startswith(("postgresql://", "postgres://")):
+        if self["db"].startswith(titanic_store.POSTGRES_URL):
             with usage_errors("db"):
                 titanic_store.postgres_store_class()  # (psycopg is there: checked before any start)
 

@@ -40,6 +40,7 @@ DEFAULT_MAX_STORE_BYTES = 1024**3
 #: Seconds a shared store's claim on a request lasts unless renewed (every third of it, while
 #: the store is open): how long the requests of a Titanic that died wait for another.
 DEFAULT_LEASE = 30.0
+POSTGRES_URL = ("postgresql://", "postgres://")  # (how a database that is not a SQLite file begins)
 
 
 class ReplyStatus(enum.Enum):
@@ -742,7 +743,7 @@ def open_store(db: str, reactor: Optional[Any] = None, *,
     """The store for *db*: ``":memory:"`` is the memory store, a ``postgresql://`` URL a
     PostgreSQL database (whose claims last *lease* seconds), anything else a SQLite file
     path (made if missing); each holds at most *maxBytes*."""
-    if db.startswith(("postgresql://", "postgres://")):
+    if db.startswith(POSTGRES_URL):
         return postgres_store_class()(db, reactor, maxBytes=maxBytes, lease=lease)
     if db == ":memory:":
         return MemoryStore(maxBytes=maxBytes)
