@@ -126,20 +126,22 @@ class Hosts:
                  f"    socket.create_connection(({address!r}, {port}), 5).close()\n"
                  "    return time.perf_counter() - started\n"
                  "print(statistics.median(once() for _ in range(5)) * 1000)")
-        said = sh("ip", "netns", "exec", self.names[host - 1], sys.executable, "-c", timed)
-        return round(float(said.stdout), 2)
+        return round(float(self.python(host, timed)), 2)
 
     def requestsCarried(self, n: int) -> int:
         """The requests the broker on host *n* has received (``mdp_broker_requests_total``)."""
         scrape = ("import urllib.request\n"
                   f"print(urllib.request.urlopen('http://{SUBNET}.{n}:{METRICS_PORT}/metrics', "
                   "timeout=5).read().decode())")
-        said = sh("ip", "netns", "exec", self.names[n - 1], sys.executable, "-c", scrape)
-        counts = [float(line.rsplit(" ", 1)[1]) for line in said.stdout.splitlines()
+        counts = [float(line.rsplit(" ", 1)[1]) for line in self.python(n, scrape).splitlines()
                   if line.startswith("mdp_broker_requests_total")]
         if not counts:
             raise RuntimeError(f"broker {n}'s metrics have no mdp_broker_requests_total")
         return int(sum(counts))
+
+    def python(self, host: int, code: str) -> str:
+        """What Python *code* run on host *host* prints."""
+        return sh("ip", "netns", "exec", self.names[host - 1], sys.executable, "-c", code).stdout
 
     def checkSwitch(self) -> None:
         """A RuntimeError if the delaying switch has exited (the hosts are apart)."""
@@ -200,10 +202,10 @@ def switch(tag: str, latencyMs: float) -> None:
                 cut.update(int(words[1]) - 1 for words in map(str.split, said.decode().splitlines())
                            if words[:1] == ["cut"] and words[1:2] in (["1"], ["2"], ["3"]))
                 continue
+            port = ports.index(source)
             try:
                 while True:  # (all that is waiting on this port)
                     frame = os.read(source, 65536)
-                    port = ports.index(source)
                     if port not in cut:
                         where[frame[6:12]] = port
                         due.append((time.monotonic() + delay, port, frame))
